@@ -1,0 +1,29 @@
+#!/usr/bin/bash
+# Train an omni model, TorchTitan-style:
+#   NGPU=2 CONFIG_FILE=train_configs/llama_omni_debug.toml ./run_train.sh --training.steps 20
+# Environment: NGPU (processes; default 1), CONFIG_FILE (default: the bundled debug omni
+# config), LOG_RANK (ranks whose output is shown; default 0), TRAIN_FILE (entry module;
+# default torchtitan_omni.train), TORCHTITAN_OMNI_DEVICE (auto|cuda|cpu; default auto: CUDA
+# when a GPU is visible, else CPU with gloo). Extra --section.key value arguments pass through.
+set -eo pipefail
+
+NGPU=${NGPU:-1}
+LOG_RANK=${LOG_RANK:-0}
+CONFIG_FILE=${CONFIG_FILE:-"./train_configs/llama_omni_debug.toml"}
+TRAIN_FILE=${TRAIN_FILE:-"torchtitan_omni.train"}
+export TORCHTITAN_OMNI_DEVICE=${TORCHTITAN_OMNI_DEVICE:-auto}
+
+if [ "$TORCHTITAN_OMNI_DEVICE" = "cpu" ] || { [ "$TORCHTITAN_OMNI_DEVICE" = "auto" ] && \
+    ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; }; then
+  # One process per "GPU" on CPU: keep them from fighting over the cores.
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+
+# Check the config (keys, types, degrees vs. NGPU) once, with a one-line error, before
+# starting NGPU processes.
+NGPU=$NGPU python3 -m torchtitan_omni.config.check --job.config_file "${CONFIG_FILE}" "$@"
+
+PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-"expandable_segments:True"} \
+torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+  --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
+  -m "${TRAIN_FILE}" --job.config_file "${CONFIG_FILE}" "$@"

@@ -1,0 +1,86 @@
+"""Training metrics: every named loss, real-token throughput and per-batch MFU.
+
+``OmniMetricsProcessor`` extends TorchTitan's processor: the console line and TensorBoard get
+each loss (text, gen_image, moe_aux, ...) next to the total; throughput counts real
+(non-padding) tokens; MFU uses the FLOPs of the batches actually trained (attention by
+document lengths) when the trainer reports them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.tools.logging import logger
+
+
+class OmniMetricsProcessor(MetricsProcessor):
+    """TorchTitan's metrics processor with named losses and per-batch FLOPs."""
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, tag: str | None = None):
+        super().__init__(job_config, parallel_dims, tag)
+        self.flops_since_last_log = 0.0
+        self.last_metrics: dict[str, Any] = {}
+
+    def log_losses(
+        self,
+        step: int,
+        total_loss: float,
+        max_loss: float,
+        losses: dict[str, float],
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
+        """Log one step: the total and every named loss, throughput, MFU and memory."""
+        time_delta = time.perf_counter() - self.time_last_log
+        tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
+        if self.flops_since_last_log > 0:
+            flops_per_s = self.flops_since_last_log / time_delta
+        else:
+            flops_per_s = self.num_flops_per_token * tps
+        mfu = 100 * flops_per_s / self.gpu_peak_flops
+        mem = self.device_memory_monitor.get_peak_stats()
+        metrics: dict[str, Any] = {
+            "loss_metrics/global_avg_loss": total_loss,
+            "loss_metrics/global_max_loss": max_loss,
+            "grad_norm": grad_norm,
+            "throughput(tps)": tps,
+            "tflops": flops_per_s / 1e12,
+            "mfu(%)": mfu,
+            "time_metrics/end_to_end(s)": time_delta / max(1, self.job_config.metrics.log_freq),
+            "memory/max_reserved(GiB)": mem.max_reserved_gib,
+            "memory/max_reserved(%)": mem.max_reserved_pct,
+        }
+        if self.data_loading_times:
+            metrics["time_metrics/data_loading(s)"] = sum(self.data_loading_times) / len(self.data_loading_times)
+        for name, value in losses.items():
+            metrics[f"loss_metrics/{name}"] = value
+        metrics.update(extra_metrics or {})
+        self.logger.log(metrics, step)
+        self.last_metrics = metrics
+
+        c = self.color
+        named = "  ".join(f"{name}: {value:.5f}" for name, value in losses.items())
+        logger.info(
+            f"{c.red}step: {step:2}  {c.green}loss: {total_loss:8.5f} ({named})  "
+            f"{c.orange}grad_norm: {grad_norm:7.4f}  "
+            f"{c.turquoise}memory: {mem.max_reserved_gib:5.2f}GiB({mem.max_reserved_pct:.2f}%)  "
+            f"{c.blue}tps: {round(tps):,}  {c.cyan}tflops: {flops_per_s / 1e12:,.2f}  "
+            f"{c.magenta}mfu: {mfu:.2f}%{c.reset}"
+        )
+        self.ntokens_since_last_log = 0
+        self.flops_since_last_log = 0.0
+        self.data_loading_times.clear()
+        self.time_last_log = time.perf_counter()
+        self.device_memory_monitor.reset_peak_stats()
+
+
+def build_omni_metrics_processor(
+    job_config: JobConfig, parallel_dims: ParallelDims, model_args=None, tag: str | None = None
+) -> OmniMetricsProcessor:
+    """``TrainSpec.build_metrics_processor_fn``."""
+    del model_args
+    return OmniMetricsProcessor(job_config, parallel_dims, tag)

@@ -1,0 +1,29 @@
+"""``python -m torchtitan_omni.config.check --job.config_file F [...]``: validate a config.
+
+Exits 0 when the config (with the given overrides, for ``NGPU`` processes) is valid, else
+prints one line naming the problem and exits 2. ``run_train.sh`` runs it before torchrun so a
+bad key fails once, not once per rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torchtitan_omni  # noqa: F401
+from torchtitan_omni.config.manager import ConfigError, OmniConfigManager
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("--help", "-h") for a in args):
+        return 0  # the trainer prints the help
+    try:
+        OmniConfigManager().parse_args(args)
+    except ConfigError as e:
+        print(f"torchtitan-omni: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

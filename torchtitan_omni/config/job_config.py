@@ -1,0 +1,118 @@
+"""torchtitan-omni's additions to TorchTitan's ``JobConfig``.
+
+Loaded through ``job.custom_config_module = "torchtitan_omni.config.job_config"`` (every
+bundled TOML sets it, and ``torchtitan_omni.train`` sets it when a config does not): TorchTitan
+merges these dataclasses into its own, so ``[parallelism]`` gains ``ulysses_degree`` next to
+its own keys and the new sections ``[omni]``, ``[data]`` and ``[weights]`` appear.
+
+Annotations are real types (no ``from __future__ import annotations``) because
+``torchtitan_omni.config.validate`` checks TOML values against them.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Parallelism:
+    """Sequence and per-module layouts on top of TorchTitan's degrees."""
+
+    ulysses_degree: int = 1
+    """Ulysses sequence-parallel degree: each rank holds 1/degree of the packed sequence and
+    all-to-all swaps sequence for heads around attention. Parameters are FSDP-sharded over
+    dp_shard x ulysses. Must divide the attention heads (after GQA repeat)."""
+
+    ulysses_async: bool = False
+    """Overlap the q/k/v all-to-alls with the k/v/next projections (and, in backward, the output
+    projection's gradient with its all-to-all). Same numbers as the synchronous variant."""
+
+    encoder_fsdp_mesh: Literal["plan", "fsdp", "dp_shard", "none"] = "plan"
+    """Mesh of the encoders' and decoders' FSDP sharding: "plan" keeps the model spec's choice,
+    "fsdp" shards over dp_shard x ulysses like the LLM, "dp_shard" over data ranks only,
+    "none" replicates them."""
+
+
+@dataclass
+class Omni:
+    """Which parts train, how the losses combine, and per-part activation checkpointing."""
+
+    freeze: list[str] = field(default_factory=list)
+    """Dotted module paths to freeze, e.g. ["llm", "encoders.vision"] to train only the
+    projectors and the audio encoder. Decoders' VQ tokenizers are always frozen."""
+
+    loss_weights: list[str] = field(default_factory=list)
+    """Per-loss weights as "name=weight" (names: text, gen_image); unnamed losses weigh 1."""
+
+    moe_aux_loss_weight: float = 0.001
+    """Weight of the MoE load-balancing loss (Qwen3-MoE's router_aux_loss_coef)."""
+
+    encoder_activation_checkpoint: Literal["none", "full"] = "none"
+    """Activation checkpointing of encoder and decoder blocks ([activation_checkpoint] covers
+    the LLM)."""
+
+    init_seed: int = 0
+    """Seed of the layout-invariant random initialization of weights that are not loaded."""
+
+
+@dataclass
+class Data:
+    """The omni data pipeline (see docs/data.md)."""
+
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    """Sample file format; "auto" picks by file extension."""
+
+    split: str = "train"
+    """Split (file stem or sub-folder) read under training.dataset_path."""
+
+    streaming: bool = False
+    """Stream the corpus (datasets streaming mode) instead of loading it into memory."""
+
+    modalities: list[str] = field(default_factory=lambda: ["image", "video", "audio", "gen_image"])
+    """Modalities to keep; samples that need another one are skipped (and counted)."""
+
+    mask_prompt_labels: bool = True
+    """No loss on user/system turns (only on assistant turns and plain text)."""
+
+    packing: bool = True
+    """Pack documents into training.seq_len rows (attention never crosses documents)."""
+
+    token_budget: int = 0
+    """Dynamic batching: tokens per micro-batch (0 = training.local_batch_size rows of
+    training.seq_len)."""
+
+    pad_to_fixed_length: bool = False
+    """Always pad rows to training.seq_len (static shapes, e.g. for torch.compile)."""
+
+    bad_sample_policy: Literal["skip", "error"] = "skip"
+    """A missing or corrupt media file, an unknown placeholder or an over-long sample is
+    skipped, logged once and counted ("skip"), or stops training ("error")."""
+
+    gen_cfg_drop_prob: float = 0.1
+    """Probability of dropping the caption of an image-generation sample (trains the
+    unconditional branch used by classifier-free guidance)."""
+
+    build_if_missing: bool = True
+    """Build the bundled default dataset on first use when training.dataset is omni_default."""
+
+    shuffle_seed: int = 0
+    """Seed of the shuffle buffer (map-style datasets are shuffled per epoch)."""
+
+
+@dataclass
+class Weights:
+    """Per-part initial weights, loaded into the sharded model before training starts."""
+
+    sources: list[str] = field(default_factory=list)
+    """Entries "part=path": a Hugging Face safetensors folder or a DCP checkpoint folder for a
+    part ("llm", "encoders.vision", "encoders.audio", "decoders.gen_image", ...). Parts without
+    an entry keep their random initialization. Ignored when resuming from checkpoint.folder."""
+
+
+@dataclass
+class JobConfig:
+    """The sections torchtitan-omni adds or extends."""
+
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    omni: Omni = field(default_factory=Omni)
+    data: Data = field(default_factory=Data)
+    weights: Weights = field(default_factory=Weights)

@@ -1,0 +1,206 @@
+"""Parsing TOML + CLI into a ``JobConfig`` with one-line errors.
+
+``OmniConfigManager`` is TorchTitan's ``ConfigManager`` with three differences:
+
+- torchtitan-omni's ``JobConfig`` extension is merged in even when a config does not name it
+  in ``job.custom_config_module``;
+- a missing or malformed config file, an unknown key (TOML or ``--section.key``) and a value of
+  the wrong type raise :class:`ConfigError`, whose message names the file, section and key;
+- the parsed config is checked by ``torchtitan_omni.config.validate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from torchtitan.config import ConfigManager, JobConfig
+
+OMNI_CONFIG_MODULE = "torchtitan_omni.config.job_config"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; its message is one line that names the key or file."""
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """Whether a TOML value fits a dataclass field annotation."""
+    if tp is Any:
+        return True
+    origin = get_origin(tp)
+    if origin is Literal:
+        return value in get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin in (list, tuple):
+        args = get_args(tp)
+        if not isinstance(value, list):
+            return False
+        inner = args[0] if args else Any
+        return all(_matches(v, inner) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+class OmniConfigManager(ConfigManager):
+    """TorchTitan's config manager with torchtitan-omni's sections and clear errors."""
+
+    def parse_args(self, args: list[str] | None = None) -> JobConfig:
+        """Parse ``args`` (default ``sys.argv[1:]``) into a validated ``JobConfig``."""
+        args = list(sys.argv[1:] if args is None else args)
+        toml_values, self.config_path = self._load_toml_checked(args)
+        config_cls = self._maybe_add_custom_config(args, toml_values)
+        if toml_values:
+            self._check_toml(config_cls, toml_values)
+        self._check_cli_keys(config_cls, args)
+        config = super().parse_args(args)
+        from torchtitan_omni.config.validate import validate_job_config
+
+        validate_job_config(config)
+        return config
+
+    # ----------------------------------------------------------------- TOML file
+    @staticmethod
+    def _config_path(args: list[str]) -> str | None:
+        """The config file named on the command line (the last one wins, as for any key)."""
+        path = None
+        for i, arg in enumerate(args):
+            key, eq, value = arg.partition("=")
+            if key in ("--job.config_file", "--job.config-file"):
+                if eq:
+                    path = value
+                elif i + 1 < len(args):
+                    path = args[i + 1]
+                else:
+                    raise ConfigError(f"{key} needs a file path")
+        return path
+
+    def _load_toml_checked(self, args: list[str]) -> tuple[dict[str, Any] | None, str | None]:
+        path = self._config_path(args)
+        if path is None:
+            return None, None
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            with open(path, "rb") as f:
+                return tomllib.load(f), path
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+    def _maybe_load_toml(self, args: list[str]) -> dict[str, Any] | None:
+        # TorchTitan's loader logs a traceback on errors; ours already raised a ConfigError.
+        return self._load_toml_checked(args)[0]
+
+    def _maybe_add_custom_config(self, args, toml_values):
+        """Merge torchtitan-omni's sections, and a user's extension module on top if named."""
+        merged = self._merge_configs(self.config_cls, _omni_job_config())
+        module_path = None
+        for i, arg in enumerate(args):
+            key = arg.split("=")[0]
+            if key in ("--job.custom_config_module", "--job.custom-config-module"):
+                module_path = arg.split("=", 1)[1] if "=" in arg else args[i + 1]
+        if not module_path and toml_values:
+            job = toml_values.get("job", {})
+            if isinstance(job, dict):
+                module_path = job.get("custom_config_module")
+        if module_path and module_path != OMNI_CONFIG_MODULE:
+            import importlib
+
+            try:
+                extension = importlib.import_module(module_path).JobConfig
+            except (ImportError, AttributeError) as e:
+                raise ConfigError(
+                    f"job.custom_config_module {module_path!r} cannot be used: {e}"
+                ) from None
+            merged = self._merge_configs(merged, extension)
+        return merged
+
+    def _check_toml(self, cls: type, values: dict[str, Any], where: str = "") -> None:
+        """Unknown keys and wrongly typed values, named with section and file."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        src = f" in {self.config_path}" if self.config_path else ""
+        for key, value in values.items():
+            full = f"{where}.{key}" if where else key
+            if key not in fields:
+                section = f"[{where}] " if where else ""
+                kind = "key" if where else "section"
+                raise ConfigError(
+                    f"unknown {kind} {section}'{key}'{src}{_suggest(key, list(fields))}"
+                )
+            tp = hints.get(key, fields[key].type)
+            if dataclasses.is_dataclass(tp):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"'{full}'{src} must be a table [{full}], got {value!r}")
+                self._check_toml(tp, value, full)
+            elif not _matches(value, tp):
+                raise ConfigError(
+                    f"'{full}'{src} must be {_type_name(tp)}, got {value!r} "
+                    f"({type(value).__name__})"
+                )
+
+    @staticmethod
+    def _check_cli_keys(cls: type, args: list[str]) -> None:
+        """Every ``--section.key`` must name a field (tyro's own error is a page long)."""
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        for arg in args:
+            if not arg.startswith("--") or arg in ("--help", "-h"):
+                continue
+            name = arg[2:].split("=", 1)[0].replace("-", "_")
+            parts = name.split(".")
+            tp: Any = cls
+            for depth, part in enumerate(parts):
+                if not dataclasses.is_dataclass(tp):
+                    break
+                names = {f.name: f.type for f in dataclasses.fields(tp)}
+                if part not in names and part.startswith("no_") and depth == len(parts) - 1:
+                    part = part[3:]  # tyro's --section.no-flag form for booleans
+                if part not in names:
+                    where = ".".join(parts[:depth]) or "the config"
+                    raise ConfigError(
+                        f"unknown option --{name}: {where} has no key '{part}'"
+                        f"{_suggest(part, list(names))}"
+                    )
+                tp = names[part]
+        del sections
+
+
+def _omni_job_config() -> type:
+    from torchtitan_omni.config.job_config import JobConfig as OmniJobConfig
+
+    return OmniJobConfig
+
+
+def parse_job_config(args: list[str] | None = None) -> JobConfig:
+    """Parse and validate a job config from TOML + CLI arguments."""
+    return OmniConfigManager().parse_args(args)

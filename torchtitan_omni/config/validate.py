@@ -1,0 +1,152 @@
+"""Start-up checks of a parsed ``JobConfig``: impossible combinations fail with one line.
+
+Checked here, before any process group or model exists: the parallel degrees against the
+world size, parallelisms torchtitan-omni does not provide, the model name and flavor, and the
+model-dependent constraints the spec's model args declare (``validate_parallelism``: Ulysses
+degree vs. attention heads, expert-parallel degree vs. experts).
+"""
+
+from __future__ import annotations
+
+import os
+
+from torchtitan.config import JobConfig
+
+from torchtitan_omni.config.manager import ConfigError
+
+
+def world_size_from_env() -> int:
+    """World size of this launch: ``WORLD_SIZE`` under torchrun, else ``NGPU``, else 1."""
+    for var in ("WORLD_SIZE", "NGPU"):
+        if os.environ.get(var):
+            try:
+                return int(os.environ[var])
+            except ValueError:
+                raise ConfigError(f"{var}={os.environ[var]!r} is not a whole number") from None
+    return 1
+
+
+def resolved_degrees(cfg: JobConfig, world_size: int) -> dict[str, int]:
+    """The parallel degrees with ``data_parallel_shard_degree = -1`` filled in."""
+    p = cfg.parallelism
+    degrees = {
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "data_parallel_shard_degree": p.data_parallel_shard_degree,
+        "ulysses_degree": p.ulysses_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+    }
+    for key, value in degrees.items():
+        if key != "data_parallel_shard_degree" and value < 1:
+            raise ConfigError(f"parallelism.{key} must be >= 1, got {value}")
+    others = 1
+    for key, value in degrees.items():
+        if key != "data_parallel_shard_degree":
+            others *= value
+    shard = degrees["data_parallel_shard_degree"]
+    if shard == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by "
+                + " x ".join(f"parallelism.{k} ({v})" for k, v in degrees.items()
+                             if k != "data_parallel_shard_degree")
+                + f" = {others}, so data_parallel_shard_degree = -1 cannot be inferred"
+            )
+        degrees["data_parallel_shard_degree"] = world_size // others
+    elif shard < 1:
+        raise ConfigError(f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {shard}")
+    product = 1
+    for value in degrees.values():
+        product *= value
+    if product != world_size:
+        raise ConfigError(
+            " x ".join(f"parallelism.{k} ({v})" for k, v in degrees.items())
+            + f" = {product} does not match the world size {world_size}"
+        )
+    return degrees
+
+
+def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` for the first impossible setting found."""
+    world_size = world_size_from_env() if world_size is None else world_size
+    p = cfg.parallelism
+    if p.context_parallel_degree != 1:
+        raise ConfigError(
+            "parallelism.context_parallel_degree is not supported by torchtitan-omni; "
+            "use parallelism.ulysses_degree for sequence parallelism"
+        )
+    if p.tensor_parallel_degree != 1:
+        raise ConfigError(
+            "parallelism.tensor_parallel_degree > 1 is not supported by torchtitan-omni; "
+            "use FSDP, parallelism.ulysses_degree and parallelism.expert_parallel_degree"
+        )
+    if p.pipeline_parallel_degree != 1:
+        raise ConfigError(
+            "parallelism.pipeline_parallel_degree > 1 is not supported by torchtitan-omni"
+        )
+    degrees = resolved_degrees(cfg, world_size)
+    sharded = degrees["data_parallel_shard_degree"] * degrees["ulysses_degree"]
+    ep = p.expert_parallel_degree
+    if ep < 1:
+        raise ConfigError(f"parallelism.expert_parallel_degree must be >= 1, got {ep}")
+    if ep > 1 and sharded % ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree ({ep}) must divide data_parallel_shard_degree"
+            f" x ulysses_degree ({sharded}): experts are split over those ranks"
+        )
+    if p.expert_tensor_parallel_degree != 1:
+        raise ConfigError("parallelism.expert_tensor_parallel_degree must be 1")
+    t = cfg.training
+    if t.steps < 1:
+        raise ConfigError(f"training.steps must be >= 1, got {t.steps}")
+    if t.local_batch_size < 1:
+        raise ConfigError(f"training.local_batch_size must be >= 1, got {t.local_batch_size}")
+    if t.seq_len % degrees["ulysses_degree"]:
+        raise ConfigError(
+            f"training.seq_len ({t.seq_len}) must be a multiple of parallelism.ulysses_degree "
+            f"({degrees['ulysses_degree']})"
+        )
+    for entry in cfg.omni.loss_weights:
+        name, eq, value = entry.partition("=")
+        try:
+            float(value)
+        except ValueError:
+            eq = ""
+        if not eq:
+            raise ConfigError(f"omni.loss_weights entry {entry!r} is not 'name=number'")
+    for entry in cfg.weights.sources:
+        if "=" not in entry:
+            raise ConfigError(f"weights.sources entry {entry!r} is not 'part=path'")
+    _validate_model(cfg, degrees)
+
+
+def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
+    import importlib
+
+    import torchtitan_omni.models  # noqa: F401  (registers the specs)
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    if cfg.experimental.custom_import:
+        try:
+            importlib.import_module(cfg.experimental.custom_import)
+        except ImportError as e:
+            raise ConfigError(f"experimental.custom_import cannot be imported: {e}") from None
+
+    try:
+        spec = get_train_spec(cfg.model.name)
+    except (ValueError, ImportError):
+        raise ConfigError(f"model.name {cfg.model.name!r} is not a registered model spec") from None
+    if cfg.model.flavor not in spec.model_args:
+        raise ConfigError(
+            f"model.flavor {cfg.model.flavor!r} is not a flavor of {cfg.model.name} "
+            f"(flavors: {', '.join(spec.model_args)})"
+        )
+    args = spec.model_args[cfg.model.flavor]
+    check = getattr(args, "validate_parallelism", None)
+    if check is not None:
+        problem = check(
+            ulysses_degree=degrees["ulysses_degree"],
+            expert_parallel_degree=cfg.parallelism.expert_parallel_degree,
+        )
+        if problem:
+            raise ConfigError(problem)

@@ -1,0 +1,134 @@
+"""One device mesh for FSDP2, Ulysses sequence parallel and expert parallel.
+
+The world is unflattened (rank order: pp, dp_replicate, dp_shard, sp, tp) into:
+
+- data loading ``[pp, batch, sp, tp]``: ranks of one ``batch`` index read the same samples,
+  and the ``sp`` ranks of a batch index each take a contiguous slice of its sequence;
+- dense ``[pp, dp_replicate, fsdp, tp]`` with ``fsdp = dp_shard x sp``: sequence-parallel
+  ranks co-shard parameters (their gradients are summed by the same reduce-scatter);
+- split ``[pp, dp_replicate, dp_shard, sp, tp]``: for parts that shard over data ranks only;
+- sparse ``[pp, dp_replicate, efsdp, ep, etp]`` with ``efsdp x ep = dp_shard x sp``: expert
+  parallel borrows its ranks from the FSDP ranks, and experts are FSDP-sharded over efsdp;
+- ``loss`` = batch x sp flattened: the ranks over which loss sums and token counts reduce.
+
+Ulysses takes the slot TorchTitan gives context parallel (``cp``), so TorchTitan's own
+accounting (tokens per device, FSDP gradient divide factor, EP borrowing) stays right; the
+mesh dimension is named ``sp`` and ``get_mesh("cp")`` returns the same mesh.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torchtitan.distributed import ParallelDims
+from torchtitan.tools.logging import logger
+
+from torchtitan_omni.platform import device_type
+
+
+class OmniParallelDims(ParallelDims):
+    """TorchTitan's ``ParallelDims`` with Ulysses sequence parallel as ``sp``."""
+
+    @classmethod
+    def from_config(cls, parallelism, world_size: int) -> "OmniParallelDims":
+        """Build from a ``[parallelism]`` config section."""
+        return cls(
+            dp_shard=parallelism.data_parallel_shard_degree,
+            dp_replicate=parallelism.data_parallel_replicate_degree,
+            cp=parallelism.ulysses_degree,
+            tp=parallelism.tensor_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree,
+            ep=parallelism.expert_parallel_degree,
+            etp=parallelism.expert_tensor_parallel_degree,
+            world_size=world_size,
+        )
+
+    @property
+    def sp(self) -> int:
+        """Ulysses sequence-parallel degree."""
+        return self.cp
+
+    @property
+    def sp_enabled(self) -> bool:
+        return self.cp > 1
+
+    def _mesh_exist(self, name: str, degree: int) -> bool:
+        if name in ("sp", "cp"):
+            return degree > 1
+        return super()._mesh_exist(name, degree)
+
+    def build_mesh(self) -> DeviceMesh:
+        """Create every mesh listed in the module docstring."""
+
+        def unflatten(names: tuple[str, ...], sizes: tuple[int, ...]) -> DeviceMesh:
+            fake = {n: "fake" for n, s in zip(names, sizes) if not self._mesh_exist(n, s)}
+            return world._unflatten(0, sizes, names, backend_override=fake)
+
+        logger.info(
+            f"Building device mesh: pp={self.pp}, dp_replicate={self.dp_replicate}, "
+            f"dp_shard={self.dp_shard}, sp={self.sp}, ep={self.ep}"
+        )
+        world = init_device_mesh(device_type(), (self.world_size,), mesh_dim_names=("world",))
+        self._world_mesh = world
+        batch = self.dp_replicate * self.dp_shard
+        fsdp = self.dp_shard * self.sp
+        efsdp = fsdp * self.tp // (self.etp * self.ep)
+
+        loading = unflatten(("pp", "batch", "sp", "tp"), (self.pp, batch, self.sp, self.tp))
+        dense = unflatten(("pp", "dp_replicate", "fsdp", "tp"), (self.pp, self.dp_replicate, fsdp, self.tp))
+        sparse = unflatten(
+            ("pp", "dp_replicate", "efsdp", "ep", "etp"),
+            (self.pp, self.dp_replicate, efsdp, self.ep, self.etp),
+        )
+        if self.sp > 1 and self.dp_shard > 1:
+            split = unflatten(
+                ("pp", "dp_replicate", "dp_shard", "sp", "tp"),
+                (self.pp, self.dp_replicate, self.dp_shard, self.sp, self.tp),
+            )
+            dp_shard_mesh = split["dp_shard"]
+        elif self.sp > 1:
+            dp_shard_mesh = unflatten(
+                ("pp", "dp_replicate", "dp_shard", "sp", "tp"),
+                (self.pp, self.dp_replicate, self.dp_shard, self.sp, self.tp),
+            )["dp_shard"]
+        else:
+            dp_shard_mesh = dense["fsdp"]
+        loss = loading["batch", "sp"]._flatten("loss")
+
+        self._global_meshes = {"dataloading": loading, "loss": loss, "dense": dense, "sparse": sparse}
+        self._meshes = {
+            "pp": loading["pp"],
+            "batch": loading["batch"],
+            "loss": loss,
+            "dp_replicate": dense["dp_replicate"],
+            "fsdp": dense["fsdp"],
+            "dp_shard": dp_shard_mesh,
+            "sp": loading["sp"],
+            "cp": loading["sp"],
+            "tp": loading["tp"],
+            "ep": sparse["ep"],
+            "efsdp": sparse["efsdp"],
+            "etp": sparse["etp"],
+        }
+        self._validate_meshes()
+        return world
+
+    def _validate_meshes(self) -> None:
+        expected = {
+            "batch": self.dp_replicate * self.dp_shard,
+            "loss": self.dp_replicate * self.dp_shard * self.sp,
+            "fsdp": self.dp_shard * self.sp,
+            "dp_shard": self.dp_shard,
+            "sp": self.sp,
+            "ep": self.ep,
+            "efsdp": self.dp_shard * self.sp * self.tp // (self.etp * self.ep),
+        }
+        for name, size in expected.items():
+            actual = self._meshes[name].size()
+            if actual != size:
+                raise RuntimeError(f"mesh {name!r} has size {actual}, expected {size}")
+
+    @property
+    def seq_len_divisor(self) -> int:
+        # Ulysses needs every rank's slice to be equally long.
+        return self.sp

@@ -1,0 +1,61 @@
+"""Small collective helpers used by the trainer: reductions over a mesh, and gradient-norm
+clipping over parameters that live on different meshes (encoders, LLM and experts may each be
+sharded differently)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh | None, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` over ``mesh`` (all of its dimensions); identity when ``mesh`` is None."""
+    if mesh is None:
+        return tensor
+    group = mesh if mesh.ndim == 1 else mesh._flatten()
+    return funcol.all_reduce(tensor, reduceOp=op, group=group)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the global L2 norm of all gradients to ``max_norm``; returns the norm before.
+
+    Gradients are grouped by (mesh, placements) so that DTensors on different meshes are
+    never mixed in one foreach kernel; each group's sharded norm is completed on its mesh.
+    """
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        groups[key].append(g)
+    if not groups:
+        return torch.zeros(())
+    squares = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    device = squares[0].device
+    total = torch.stack([s.to(device) for s in squares]).sum().sqrt()
+    for grads in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.to(_local(grads[0]).device), foreach=True)
+    return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def barrier() -> None:
+    """Barrier on the default group (no-op when not distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,165 @@
+"""Packed (varlen) attention and the self-attention module shared by encoders and LLMs.
+
+``varlen_attention`` computes attention within each document of a packed sequence: on CUDA
+through PyTorch's flash-attention varlen kernel (``torch.nn.attention.varlen``); elsewhere (and
+as a fallback) with ``scaled_dot_product_attention`` per document, which is exact and needs no
+block mask. flash-attn is never required.
+
+``SelfAttention`` splits its work into ``project`` (q/k/v projections, per-head norm and
+RoPE), ``core`` (the attention itself) and ``wo``, and delegates their ordering to a runner.
+The default runner is local; ``torchtitan_omni.distributed.ulysses`` installs runners that
+insert the sequence-parallel all-to-alls (and overlap them with the projections).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchtitan_omni.modules import init
+from torchtitan_omni.modules.rope import RotaryEmbedding
+from torchtitan_omni.protocols.modules import AttentionMeta
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    _VARLEN_GQA = "enable_gqa" in inspect.signature(_varlen_attn).parameters
+except (ImportError, ValueError):  # pragma: no cover - older torch
+    _varlen_attn = None
+    _VARLEN_GQA = False
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[T, Hkv, D]`` -> ``[T, Hkv * n_rep, D]`` (each kv head serves ``n_rep`` q heads)."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def _attention_per_document(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+    causal: bool, scale: float | None,
+) -> torch.Tensor:
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    bounds = cu_seqlens.tolist()
+    if bounds[-1] != q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens covers {bounds[-1]} tokens but the sequence has {q.shape[0]}; under "
+            "sequence parallel, attention must run on the gathered full sequence"
+        )
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qd, kd, vd = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+    max_seqlen: int, causal: bool = True, scale: float | None = None,
+) -> torch.Tensor:
+    """Attention within documents of a packed sequence.
+
+    ``q`` is ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA),
+    ``cu_seqlens`` int32 ``[N + 1]`` document boundaries over ``T``. Returns ``[T, Hq, D]``.
+    """
+    if q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
+        n_rep = q.shape[1] // k.shape[1]
+        kwargs = {"scale": scale, "window_size": (-1, 0) if causal else (-1, -1)}
+        if n_rep > 1 and _VARLEN_GQA:
+            kwargs["enable_gqa"] = True
+        elif n_rep > 1:
+            k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        return _varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    return _attention_per_document(q, k, v, cu_seqlens, causal, scale)
+
+
+class AttentionRunner(Protocol):
+    """Orders a ``SelfAttention``'s projections, core attention and communication."""
+
+    def __call__(self, attn: "SelfAttention", x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor: ...
+
+
+def run_local(attn: "SelfAttention", x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    """Single-rank attention: project, attend within documents, project out."""
+    q, k, v = attn.project(x, "q", meta), attn.project(x, "k", meta), attn.project(x, "v", meta)
+    o = attn.core(q, k, v, meta)
+    return attn.wo(o.flatten(2))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with GQA, optional per-head q/k RMSNorm and RoPE.
+
+    Parameters follow Hugging Face naming at this level (``wq/wk/wv/wo`` map to
+    ``q_proj/k_proj/v_proj/o_proj`` in the state-dict adapters).
+    """
+
+    def __init__(
+        self, dim: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
+        *, qkv_bias: bool = False, out_bias: bool = False, qk_norm: bool = False,
+        norm_eps: float = 1e-6, causal: bool = True, rope: RotaryEmbedding | None = None,
+    ) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads or n_heads
+        if n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        self.head_dim = head_dim or dim // n_heads
+        self.causal = causal
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=out_bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+        # Shared with the model (not a submodule of this one: its tables are not weights).
+        self._rope = [rope]
+        self.runner: AttentionRunner = run_local
+
+    @property
+    def rope(self) -> RotaryEmbedding | None:
+        return self._rope[0]
+
+    def project(self, x: torch.Tensor, which: str, meta: AttentionMeta) -> torch.Tensor:
+        """``[B, S, dim]`` -> q, k or v ``[B, S, heads, head_dim]``, normed and rotated."""
+        linear = {"q": self.wq, "k": self.wk, "v": self.wv}[which]
+        out = linear(x).unflatten(-1, (-1, self.head_dim))
+        if which == "v":
+            return out
+        norm = self.q_norm if which == "q" else self.k_norm
+        if norm is not None:
+            out = norm(out)
+        if self.rope is not None:
+            out = self.rope(out, meta.position_ids)
+        return out
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """Attention over the full packed sequence: ``[B, S, H, D]`` in and out."""
+        b, s = q.shape[:2]
+        o = varlen_attention(
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), meta.cu_seqlens,
+            meta.max_seqlen, causal=self.causal and meta.causal,
+        )
+        return o.unflatten(0, (b, s))
+
+    def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        return self.runner(self, x, meta)
+
+    def init_weights(self, std: float, out_std: float | None = None) -> None:
+        """Truncated-normal projections (``out_std`` for ``wo``), zero biases, unit norms."""
+        for lin in (self.wq, self.wk, self.wv):
+            init.trunc_normal_(lin.weight, std=std)
+        init.trunc_normal_(self.wo.weight, std=std if out_std is None else out_std)
+        for lin in (self.wq, self.wk, self.wv, self.wo):
+            if lin.bias is not None:
+                init.zeros_(lin.bias)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                init.ones_(norm.weight)

@@ -1,0 +1,176 @@
+"""The omni model: encoders + foundation LLM + decoders, composed VeOmni-style.
+
+``OmniModel.forward`` embeds the text, scatters encoder and decoder embeddings into their
+placeholder positions, runs the foundation and returns the *summed* loss of every head (text
+and each decoder) plus the foundation's auxiliary losses. The trainer normalizes each sum by
+its global target count.
+
+Every encoder and decoder runs on every rank and every step, on a one-item dummy input when
+the local batch has none of its media, with its output multiplied by zero. Ranks whose batches
+hold different modality mixes therefore issue the same FSDP collectives (no hang) and the
+encoder still gets correct (zero) gradient contributions from the rank without media.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from torchtitan.protocols.model import ModelProtocol
+
+from torchtitan_omni.modules.init import init_context
+from torchtitan_omni.protocols import batch as B
+from torchtitan_omni.protocols.modules import AttentionMeta, Foundation, OmniDecoder, OmniEncoder
+from torchtitan_omni.protocols.plan import OmniParallelPlan
+
+TEXT_LOSS = "text"
+
+
+@dataclass
+class OmniOutput:
+    """What one forward returns.
+
+    ``losses``: summed loss per head (``"text"`` and each decoder's modality), to be divided
+    by the head's global target count. ``aux_losses``: per-rank means (e.g. MoE load
+    balancing), unweighted, to be averaged over ranks (``OmniLoss`` weighs them).
+    """
+
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _scatter_rows(h: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Replace ``h[b, s]`` by ``rows[index[b, s]]`` where ``index >= 0`` (out of place)."""
+    mask = index >= 0
+    if rows.shape[-1] != h.shape[-1]:
+        raise ValueError(
+            f"embedding width {rows.shape[-1]} does not match the LLM width {h.shape[-1]}"
+        )
+    picked = rows[index.clamp(min=0)].to(h.dtype)
+    return torch.where(mask.unsqueeze(-1), picked, h)
+
+
+class OmniModel(ModelProtocol):
+    """Encoders + foundation + decoders. Model specs build one from their parts."""
+
+    def __init__(
+        self,
+        llm: Foundation,
+        encoders: dict[str, OmniEncoder] | None = None,
+        decoders: dict[str, OmniDecoder] | None = None,
+        plan: OmniParallelPlan | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        #: what the spec declares about sharding; ``torchtitan_omni.distributed`` applies it
+        self.parallel_plan = plan or OmniParallelPlan()
+        self.llm = llm
+        self.encoders = nn.ModuleDict(encoders or {})
+        self.decoders = nn.ModuleDict(decoders or {})
+        self.encoder_of: dict[str, str] = {}
+        for name, enc in self.encoders.items():
+            for modality in enc.modalities:
+                if modality in self.encoder_of:
+                    raise ValueError(f"two encoders claim modality {modality!r}")
+                self.encoder_of[modality] = name
+        self.init_seed = 0
+
+    # ----------------------------------------------------------------- introspection
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """Every batch modality this model consumes or produces."""
+        return tuple(self.encoder_of) + tuple(self.decoders)
+
+    def loss_names(self) -> tuple[str, ...]:
+        """Names of the summed losses ``forward`` returns."""
+        return (TEXT_LOSS,) + tuple(self.decoders)
+
+    def count_targets(
+        self, batch: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Number of targets of every loss in a (local) batch; the losses' normalizers."""
+        counts = {TEXT_LOSS: (labels != B.IGNORE_INDEX).sum()}
+        for name in self.decoders:
+            idx = batch.get(B.target_index_key(name))
+            counts[name] = (idx >= 0).sum() if idx is not None else torch.zeros((), dtype=torch.long)
+        return counts
+
+    # ----------------------------------------------------------------- forward
+    def embed(self, tokens: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[
+        torch.Tensor, dict[str, torch.Tensor]
+    ]:
+        """Input embeddings with media scattered in, and the decoders' target ids."""
+        h = self.llm.tok_embeddings(tokens)
+        for modality, enc_name in self.encoder_of.items():
+            encoder = self.encoders[enc_name]
+            media = B.media(batch, modality)
+            index = batch.get(B.embed_index_key(modality))
+            if media and index is not None:
+                h = _scatter_rows(h, index, encoder(media, modality))
+            else:
+                h = h + 0.0 * encoder(encoder.dummy_media(modality, h.device), modality).sum()
+        targets: dict[str, torch.Tensor] = {}
+        for name, decoder in self.decoders.items():
+            media = B.media(batch, name)
+            index = batch.get(B.embed_index_key(name))
+            if media and index is not None:
+                with torch.no_grad():
+                    ids = decoder.encode_targets(media)
+                targets[name] = ids
+                h = _scatter_rows(h, index, decoder.lm_embed(ids))
+            else:
+                dummy = torch.zeros(1, dtype=torch.long, device=h.device)
+                h = h + 0.0 * decoder.lm_embed(dummy).sum()
+        return h, targets
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        meta: AttentionMeta,
+        labels: torch.Tensor,
+        **batch: torch.Tensor,
+    ) -> OmniOutput:
+        """Summed losses of every head for one micro-batch (see module docstring)."""
+        h, targets = self.embed(tokens, batch)
+        hidden = self.llm(h, meta)
+        out = OmniOutput()
+        text_mask = labels != B.IGNORE_INDEX
+        text_logits = self.llm.output(hidden[text_mask])
+        out.losses[TEXT_LOSS] = nn.functional.cross_entropy(
+            text_logits.float(), labels[text_mask], reduction="sum"
+        )
+        for name, decoder in self.decoders.items():
+            index = batch.get(B.target_index_key(name))
+            if name in targets and index is not None:
+                mask = index >= 0
+                out.losses[name] = decoder.lm_head(hidden[mask], targets[name][index[mask]])
+            else:
+                out.losses[name] = 0.0 * decoder.logits(hidden[:, :1].flatten(0, 1)).sum()
+        out.aux_losses = self.llm.aux_losses()
+        return out
+
+    # ----------------------------------------------------------------- init
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Layout-invariant init of every part (see ``torchtitan_omni.modules.init``)."""
+        with init_context(self, seed=self.init_seed):
+            self.llm.init_weights(buffer_device)
+            for enc in self.encoders.values():
+                enc.init_weights(buffer_device)
+            for dec in self.decoders.values():
+                dec.init_weights(buffer_device)
+
+    def freeze(self, prefixes: list[str]) -> list[str]:
+        """Stop gradients of the sub-modules at these dotted paths; returns what was frozen."""
+        modules = dict(self.named_modules())
+        frozen = []
+        for prefix in prefixes:
+            if prefix not in modules:
+                raise ValueError(
+                    f"cannot freeze {prefix!r}: no such module (parts: "
+                    f"{', '.join(n for n in modules if n.count('.') <= 1 and n)})"
+                )
+            for p in modules[prefix].parameters():
+                p.requires_grad_(False)
+            frozen.append(prefix)
+        return frozen

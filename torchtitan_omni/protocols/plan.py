@@ -1,0 +1,51 @@
+"""What a model spec declares about its sharding; ``torchtitan_omni.distributed`` applies it.
+
+Module paths are ``fnmatch`` patterns over ``named_modules()`` names of the omni model, matched
+segment by segment (``*`` never crosses a dot), e.g. ``"llm.layers.*"`` or
+``"encoders.vision.blocks.*"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# Which mesh a part is FSDP-sharded over:
+#   "fsdp":     dp_shard x sp (sequence-parallel ranks co-shard parameters; the default)
+#   "dp_shard": dp_shard only (replicated over sp), for parts that do not see the SP split
+#   "none":     not sharded; gradients all-reduced over all data and sequence ranks
+MeshChoice = Literal["fsdp", "dp_shard", "none"]
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """How one part of the omni model (the LLM, an encoder, a decoder) is laid out."""
+
+    #: the part's module path, e.g. "llm", "encoders.vision", "decoders.gen_image"
+    root: str
+    #: sub-modules (patterns relative to ``root``) wrapped by their own ``fully_shard``,
+    #: in wrapping order; the part itself is wrapped last
+    fsdp_units: tuple[str, ...] = ()
+    mesh: MeshChoice = "fsdp"
+    #: sub-modules (patterns relative to ``root``) that activation checkpointing may wrap
+    ac_units: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OmniParallelPlan:
+    """A model spec's declaration of what is sharded how."""
+
+    parts: tuple[PartLayout, ...] = ()
+    #: attention modules (patterns) that run Ulysses sequence parallel
+    sequence_parallel_attention: tuple[str, ...] = ()
+    #: grouped-experts modules (patterns) whose experts are split by expert parallel
+    experts: tuple[str, ...] = ()
+    #: modules (patterns) whose parameters stay in float32 under mixed precision
+    fp32_modules: tuple[str, ...] = field(default_factory=tuple)
+
+    def part(self, root: str) -> PartLayout:
+        """The layout of the part rooted at ``root``."""
+        for p in self.parts:
+            if p.root == root:
+                return p
+        raise KeyError(f"the parallel plan has no part {root!r}")

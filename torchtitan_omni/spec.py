@@ -1,0 +1,39 @@
+"""Building an omni ``TrainSpec``: a model spec supplies its model class, flavors and HF
+adapter; the framework supplies everything else (parallelize, data, loss, metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.protocols.train_spec import TrainSpec
+
+from torchtitan_omni.components.loss import build_omni_loss
+from torchtitan_omni.components.metrics import build_omni_metrics_processor
+from torchtitan_omni.distributed.parallelize import parallelize_omni
+
+
+def omni_train_spec(model_cls, model_args: Mapping[str, object], state_dict_adapter=None,
+                    build_dataloader_fn=None, build_tokenizer_fn=None) -> TrainSpec:
+    """A ``TrainSpec`` with torchtitan-omni's parallelize, data, loss and metrics."""
+    if build_dataloader_fn is None or build_tokenizer_fn is None:
+        from torchtitan_omni.data.loader import build_omni_dataloader
+        from torchtitan_omni.data.tokenizer import build_omni_tokenizer
+
+        build_dataloader_fn = build_dataloader_fn or build_omni_dataloader
+        build_tokenizer_fn = build_tokenizer_fn or build_omni_tokenizer
+    return TrainSpec(
+        model_cls=model_cls,
+        model_args=model_args,
+        parallelize_fn=parallelize_omni,
+        pipelining_fn=None,
+        build_optimizers_fn=build_optimizers,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_dataloader_fn,
+        build_tokenizer_fn=build_tokenizer_fn,
+        build_loss_fn=build_omni_loss,
+        build_metrics_processor_fn=build_omni_metrics_processor,
+        state_dict_adapter=state_dict_adapter,
+    )
+

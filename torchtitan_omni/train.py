@@ -1,0 +1,202 @@
+"""The omni trainer: TorchTitan's ``Trainer`` for batches of text and media.
+
+Run as ``python -m torchtitan_omni.train --job.config_file CONFIG [--section.key value ...]``
+(``run_train.sh`` does, through torchrun). Differences from TorchTitan's trainer:
+
+- the device is CUDA/NCCL or CPU/gloo, chosen at start-up (``torchtitan_omni.platform``);
+- the mesh carries Ulysses sequence parallel (``OmniParallelDims``) and each SP rank keeps its
+  slice of the batch;
+- the model returns one summed loss per head (text, image generation, ...) plus auxiliary
+  losses; each is normalized by its global target count and logged on its own;
+- throughput counts real (non-padding) tokens, and MFU uses the FLOPs of the actual batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torchtitan_omni  # noqa: F401  (selects the device before TorchTitan's trainer loads)
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.config import JobConfig
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools.logging import init_logger, logger
+from torchtitan.train import Trainer
+
+from torchtitan_omni.config.manager import ConfigError, OmniConfigManager
+from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
+from torchtitan_omni.distributed.sequence import shard_sequence
+from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_
+from torchtitan_omni.flops import FlopCounter
+from torchtitan_omni.platform import is_cpu
+from torchtitan_omni.protocols import batch as B
+from torchtitan_omni.protocols.modules import AttentionMeta
+
+Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
+
+
+class OmniTrainer(Trainer):
+    """TorchTitan's trainer for omni batches (see the module docstring)."""
+
+    def __init__(self, job_config: JobConfig) -> None:
+        super().__init__(job_config)
+        if is_cpu():
+            # TorchTitan autocasts to bf16 when FSDP is off; CPU runs stay in float32.
+            self.maybe_enable_amp = contextlib.nullcontext()
+        dims: OmniParallelDims = self.parallel_dims
+        self.sp_rank = dims.get_mesh("sp").get_local_rank() if dims.sp_enabled else 0
+        self.flop_counter = FlopCounter(self.model_parts[0])
+        self.last_losses: dict[str, float] = {}
+
+    # ----------------------------------------------------------------- set-up
+    def init_distributed(self) -> OmniParallelDims:
+        cfg = self.job_config
+        world_size = dist_utils.init_distributed(
+            cfg.comm, enable_cpu_backend=cfg.training.enable_cpu_offload,
+            base_folder=cfg.job.dump_folder,
+        )
+        return OmniParallelDims.from_config(cfg.parallelism, world_size)
+
+    def batch_generator(self, data_iterable: Iterable[Batch]) -> Iterator[Batch]:
+        """Yield batches on CPU, counting real tokens and data-loading time."""
+        data_iterator = iter(data_iterable)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch, labels = next(data_iterator)
+            except StopIteration as ex:
+                raise DataloaderExhaustedError() from ex
+            real = batch.get(B.REAL_TOKENS)
+            ntokens = int(real) if real is not None else labels.numel()
+            self.ntokens_seen += ntokens
+            self.metrics_processor.ntokens_since_last_log += ntokens
+            self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
+            yield batch, labels
+
+    # ----------------------------------------------------------------- one step
+    def _to_device(self, batch: dict[str, torch.Tensor], labels: torch.Tensor):
+        cu = batch[B.CU_SEQLENS]
+        max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()
+                 if isinstance(v, torch.Tensor)}
+        meta = AttentionMeta(
+            cu_seqlens=moved.pop(B.CU_SEQLENS), max_seqlen=max_seqlen,
+            position_ids=moved.pop(B.POSITION_IDS),
+        )
+        moved.pop(B.REAL_TOKENS, None)
+        tokens = moved.pop(B.INPUT)
+        return tokens, meta, labels.to(self.device), moved
+
+    def forward_backward_step(
+        self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor,
+        global_counts: dict[str, torch.Tensor], aux_contributions: int,
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward of one micro-batch; returns each loss part (detached)."""
+        model = self.model_parts[0]
+        tokens, meta, labels, media = self._to_device(input_dict, labels)
+        with self.train_context(), self.maybe_enable_amp:
+            out = model(tokens, meta, labels, **media)
+            loss, parts = self.loss_fn(out.losses, global_counts, out.aux_losses, aux_contributions)
+        del out
+        loss.backward()
+        return {k: v.detach() for k, v in parts.items()}
+
+    def train_step(self, data_iterator: Iterator[Batch]) -> None:
+        self.optimizers.zero_grad()
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        dims: OmniParallelDims = self.parallel_dims
+        model = self.model_parts[0]
+
+        microbatches = []
+        local_counts: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.long))
+        for _ in range(self.gradient_accumulation_steps):
+            batch, labels = next(data_iterator)
+            self.metrics_processor.flops_since_last_log += self.flop_counter.batch(
+                batch[B.CU_SEQLENS], dims.sp
+            )
+            batch, labels = shard_sequence(batch, labels, self.sp_rank, dims.sp)
+            for name, count in model.count_targets(batch, labels).items():
+                local_counts[name] = local_counts[name] + count
+            microbatches.append((batch, labels))
+
+        loss_mesh = dims.get_optional_mesh("loss")
+        names = list(local_counts)
+        local_vec = torch.stack([local_counts[n] for n in names]).to(self.device)
+        global_vec = all_reduce(local_vec, loss_mesh)
+        global_counts = dict(zip(names, global_vec))
+        contributions = self.gradient_accumulation_steps * (loss_mesh.size() if loss_mesh else 1)
+
+        sums: dict[str, torch.Tensor] = {}
+        for batch, labels in microbatches:
+            parts = self.forward_backward_step(
+                input_dict=batch, labels=labels, global_counts=global_counts,
+                aux_contributions=contributions,
+            )
+            for name, value in parts.items():
+                sums[name] = sums[name] + value if name in sums else value
+
+        grad_norm = clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], self.job_config.training.max_norm
+        )
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+
+        if not self.metrics_processor.should_log(self.step):
+            return
+        part_names = list(sums)
+        local_parts = torch.stack([sums[n].float() for n in part_names])
+        # Each part is (local sum / global count): summing over ranks gives the global mean.
+        global_parts = all_reduce(local_parts, loss_mesh)
+        losses = {n: float(v) for n, v in zip(part_names, global_parts)}
+        total = sum(
+            (self.loss_fn.weight(n) if n in global_counts else self.loss_fn.aux_weight) * v
+            for n, v in losses.items()
+        )
+        # Largest per-rank mean of the text loss (TorchTitan's global_max_loss).
+        text = "text"
+        local_text = sums[text].float() * global_counts[text].clamp(min=1) / local_counts[text].clamp(min=1).to(self.device)
+        max_loss = float(all_reduce(local_text.reshape(1), loss_mesh, op="max")[0])
+        self.last_losses = losses
+        self.metrics_processor.log_losses(
+            self.step, total, max_loss, losses, float(grad_norm),
+            extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr,
+                           **{f"targets/{n}": int(c) for n, c in global_counts.items()}},
+        )
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m torchtitan_omni.train``."""
+    init_logger()
+    try:
+        config = OmniConfigManager().parse_args(argv)
+    except ConfigError as e:
+        print(f"torchtitan-omni: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    trainer: OmniTrainer | None = None
+    try:
+        trainer = OmniTrainer(config)
+        if config.checkpoint.create_seed_checkpoint:
+            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+                raise ConfigError("checkpoint.create_seed_checkpoint needs a single process")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        else:
+            trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
