@@ -1,0 +1,135 @@
+"""Test helpers: run a function on N gloo processes, and run ``run_train.sh`` end to end.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` CPU processes with a gloo
+process group and returns each rank's return value (``fn`` must be a module-level function).
+``run_train(config, ngpu, *overrides)`` runs the real launcher and parses the per-step losses.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, out_dir):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), TORCHTITAN_OMNI_DEVICE="cpu",
+    )
+    torch.set_num_threads(1)
+    import torchtitan_omni  # noqa: F401  (CPU device for TorchTitan)
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:  # report every failure to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"{r}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result" + (" (hung)" if r in hung else ""))
+                results.append(None)
+                continue
+            rec = torch.load(path, weights_only=False)
+            if not rec["ok"]:
+                errors.append(f"rank {r}:\n{rec['error']}")
+            results.append(rec.get("result"))
+        if errors:
+            raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+        return results
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.eE+na]+)\s*\(([^)]*)\)")
+
+
+@dataclass
+class TrainRun:
+    """What one ``run_train.sh`` call printed, and the losses it logged on rank 0."""
+
+    returncode: int
+    output: str
+    losses: dict[int, float] = field(default_factory=dict)
+    named: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def loss_list(self) -> list[float]:
+        return [self.losses[s] for s in sorted(self.losses)]
+
+
+def parse_losses(output: str) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
+    """Per-step total and named losses from the trainer's console lines."""
+    losses, named = {}, {}
+    for line in _ANSI.sub("", output).splitlines():
+        m = _STEP.search(line)
+        if not m:
+            continue
+        step = int(m.group(1))
+        losses[step] = float(m.group(2))
+        parts = {}
+        for item in m.group(3).split("  "):
+            if ":" in item:
+                k, v = item.split(":", 1)
+                parts[k.strip()] = float(v)
+        named[step] = parts
+    return losses, named
+
+
+def run_train(config: str, ngpu: int = 1, *overrides: str, env: dict | None = None,
+              timeout: float = 900.0) -> TrainRun:
+    """Run ``./run_train.sh`` on CPU with ``NGPU=ngpu`` and parse the per-step losses."""
+    full_env = dict(os.environ)
+    full_env.update(NGPU=str(ngpu), CONFIG_FILE=str(config), TORCHTITAN_OMNI_DEVICE="cpu",
+                    LOG_RANK="0", PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
+    proc = subprocess.run(
+        ["bash", str(REPO / "run_train.sh"), "--metrics.log_freq", "1", *overrides],
+        cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=timeout,
+    )
+    losses, named = parse_losses(proc.stdout)
+    return TrainRun(proc.returncode, proc.stdout, losses, named)
+
+
+def python() -> str:
+    return sys.executable
