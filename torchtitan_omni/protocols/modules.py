@@ -60,6 +60,10 @@ class Foundation(nn.Module, ABC):
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialize parameters and buffers in place."""
 
+    def hf_adapter(self):
+        """An ``HFAdapter`` mapping this part to its Hugging Face counterpart, or None."""
+        return None
+
 
 class OmniEncoder(nn.Module, ABC):
     """Turns processed media of one or more modalities into LLM-width embeddings.
@@ -97,6 +101,10 @@ class OmniEncoder(nn.Module, ABC):
     @abstractmethod
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialize parameters and buffers in place."""
+
+    def hf_adapter(self):
+        """An ``HFAdapter`` mapping this part to its Hugging Face counterpart, or None."""
+        return None
 
 
 class OmniDecoder(nn.Module, ABC):
@@ -144,4 +152,8 @@ class OmniDecoder(nn.Module, ABC):
     @abstractmethod
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialize parameters and buffers in place."""
+
+    def hf_adapter(self):
+        """An ``HFAdapter`` mapping this part to its Hugging Face counterpart, or None."""
+        return None
 
