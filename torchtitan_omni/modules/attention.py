@@ -87,10 +87,56 @@ class AttentionRunner(Protocol):
     def __call__(self, attn: "SelfAttention", x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor: ...
 
 
+class KVCache:
+    """Keys and values of every attention layer for incremental decoding.
+
+    One entry per ``SelfAttention`` module, ``[B, T, Hkv, D]``, grown along T by each call.
+    Rows are independent sequences of equal length (generation pads prompts to one length).
+    """
+
+    def __init__(self) -> None:
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        """Cached positions (0 before the first call)."""
+        return next(iter(self._kv.values()))[0].shape[1] if self._kv else 0
+
+    def append(self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add this step's keys/values for ``layer``; return all of them."""
+        key = id(layer)
+        if key in self._kv:
+            pk, pv = self._kv[key]
+            k, v = torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)
+        self._kv[key] = (k, v)
+        return k, v
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (e.g. after a branch finishes)."""
+        self._kv = {key: (k[rows], v[rows]) for key, (k, v) in self._kv.items()}
+
+
+def _cached_attention(q, k, v, causal: bool) -> torch.Tensor:
+    """``q`` ``[B, Sq, H, D]`` over the cache ``[B, T, Hkv, D]``; queries are the last Sq positions."""
+    n_rep = q.shape[2] // k.shape[2]
+    if n_rep > 1:
+        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+    sq, t = q.shape[1], k.shape[1]
+    mask = None
+    if causal and sq > 1:
+        # query i (absolute position t - sq + i) sees keys 0 .. t - sq + i
+        mask = torch.ones(sq, t, dtype=torch.bool, device=q.device).tril(diagonal=t - sq)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return o.transpose(1, 2)
+
+
 def run_local(attn: "SelfAttention", x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-    """Single-rank attention: project, attend within documents, project out."""
+    """Single-rank attention: project, attend within documents (or over the KV cache), project out."""
     q, k, v = attn.project(x, "q", meta), attn.project(x, "k", meta), attn.project(x, "v", meta)
-    o = attn.core(q, k, v, meta)
+    if meta.kv_cache is not None:
+        k, v = meta.kv_cache.append(attn, k, v)
+        o = _cached_attention(q, k, v, attn.causal and meta.causal)
+    else:
+        o = attn.core(q, k, v, meta)
     return attn.wo(o.flatten(2))
 
 

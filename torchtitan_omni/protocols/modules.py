@@ -31,6 +31,9 @@ class AttentionMeta:
     max_seqlen: int
     position_ids: torch.Tensor
     causal: bool = True
+    #: generation only: a ``torchtitan_omni.modules.attention.KVCache``; each row of the batch
+    #: is then one sequence (no packing), and keys/values are appended to the cache
+    kv_cache: object | None = None
 
 
 class Foundation(nn.Module, ABC):
