@@ -31,6 +31,12 @@ class Parallelism:
     "fsdp" shards over dp_shard x ulysses like the LLM, "dp_shard" over data ranks only,
     "none" replicates them."""
 
+    encoder_sequence_parallel: Literal["replicate", "split"] = "replicate"
+    """How encoders run under Ulysses: "replicate" encodes every media item on every SP rank
+    (simple, SP x encoder compute); "split" encodes a share of the items on each SP rank and
+    all-gathers the embeddings (needs encoders that treat items independently). See
+    docs/parallelism.md."""
+
 
 @dataclass
 class Omni:
@@ -95,7 +101,22 @@ class Data:
     """Build the bundled default dataset on first use when training.dataset is omni_default."""
 
     shuffle_seed: int = 0
-    """Seed of the shuffle buffer (map-style datasets are shuffled per epoch)."""
+    """Seed of the per-epoch order: a permutation of the rows (map-style) or of the files
+    (streaming)."""
+
+    shuffle: bool = True
+    """Visit rows in a seeded random order each epoch (False: file order)."""
+
+    buffer_docs: int = 64
+    """Documents kept ahead for packing and dynamic batching (more: fuller rows)."""
+
+    pad_multiple: int = 8
+    """Rows are padded to a multiple of lcm(pad_multiple, parallelism.ulysses_degree), capped
+    at training.seq_len (itself a multiple of the Ulysses degree)."""
+
+    split_long_text: bool = True
+    """Plain-text rows longer than training.seq_len are cut into seq_len documents instead of
+    being skipped as over-long (conversations and media samples are always skipped)."""
 
 
 @dataclass

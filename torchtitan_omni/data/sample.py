@@ -1,0 +1,206 @@
+"""Rows of a data file -> :class:`Sample`: chat turns or plain text, and media references.
+
+Accepted row shapes (one JSONL line or Parquet row; docs/data.md has examples):
+
+- ``{"messages": [{"role": "user", "content": "<image>What is this?"}, ...], "images": [...]}``
+  (OpenAI style; ``content`` may also be a list of parts ``{"type": "text", "text": ...}`` /
+  ``{"type": "image", "image": <ref>}``, a part without a value taking the next top-level item);
+- ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}], "image": ...}``
+  (ShareGPT / LLaVA);
+- ``{"text": "..."}`` plain text (may hold placeholders: interleaved documents);
+- ``{"caption": "...", "gen_image": <ref>}`` image generation, short for a user turn with the
+  caption and an assistant turn ``<gen_image>``.
+
+Media live under ``images``/``image``, ``videos``/``video``, ``audios``/``audio``,
+``gen_images``/``gen_image``: a path relative to the dataset root, bytes, ``{"bytes":...,
+"path":...}`` or a ``data:`` URL, or a list of these, one per placeholder in order.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchtitan_omni.data import special_tokens as st
+from torchtitan_omni.data.bad_samples import (
+    MALFORMED, PLACEHOLDER_MISMATCH, UNKNOWN_PLACEHOLDER, BadSample, Source,
+)
+from torchtitan_omni.protocols.batch import GEN_IMAGE, MODALITIES
+
+MEDIA_KEYS = {m: (m + "s", m) for m in MODALITIES}  # "images"/"image", ...
+ROLE_ALIASES = {
+    "system": "system", "user": "user", "human": "user", "assistant": "assistant",
+    "gpt": "assistant", "model": "assistant", "bot": "assistant",
+}
+
+_PLACEHOLDER = re.compile("|".join(re.escape(p) for p in st.PLACEHOLDERS.values()))
+_MODALITY_OF = {p: m for m, p in st.PLACEHOLDERS.items()}
+# Tags that look like a media placeholder but are not one (e.g. <img>, <image_1>, <Audio>).
+_LOOKALIKE = re.compile(
+    r"<\s*/?\s*(?:gen[_ ]?)?(?:image|img|picture|video|vid|audio|speech|sound)[^<>\n]{0,24}>",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class Turn:
+    """One chat turn: a role and its text, placeholders included."""
+
+    role: str
+    text: str
+
+
+@dataclass
+class Sample:
+    """One parsed row: chat ``turns`` or plain ``text``, and media refs per modality."""
+
+    source: Source
+    turns: list[Turn] | None = None
+    text: str | None = None
+    media: dict[str, list[Any]] = field(default_factory=dict)
+
+    def segments(self) -> list[tuple[str, str]]:
+        """(role, text) pieces in order; plain text has role "text"."""
+        if self.turns is None:
+            return [("text", self.text or "")]
+        return [(t.role, t.text) for t in self.turns]
+
+
+def split_placeholders(text: str) -> list[str | tuple[str]]:
+    """``text`` as plain strings and ``(modality,)`` markers, in order."""
+    out: list[str | tuple[str]] = []
+    pos = 0
+    for m in _PLACEHOLDER.finditer(text):
+        if m.start() > pos:
+            out.append(text[pos:m.start()])
+        out.append((_MODALITY_OF[m.group(0)],))
+        pos = m.end()
+    if pos < len(text):
+        out.append(text[pos:])
+    return out
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if v is not None]
+    return [value]
+
+
+def _row_media(row: dict, source: Source) -> dict[str, list[Any]]:
+    media = {}
+    for modality, keys in MEDIA_KEYS.items():
+        present = [k for k in keys if row.get(k) is not None]
+        if len(present) == 2 and _as_list(row[keys[0]]) and _as_list(row[keys[1]]):
+            raise BadSample(MALFORMED, f"both {keys[0]!r} and {keys[1]!r} are set", source)
+        media[modality] = _as_list(row[present[0]]) if present else []
+    return media
+
+
+def _content_text(content: Any, media: dict[str, list[Any]], inline: dict[str, list[Any]],
+                  source: Source) -> str:
+    """Message content (a string or a list of typed parts) as text with placeholders."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise BadSample(MALFORMED, f"message content of type {type(content).__name__}", source)
+    pieces = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            pieces.append(part.get("text") or "")
+        elif kind in st.PLACEHOLDERS:
+            pieces.append(st.PLACEHOLDERS[kind])
+            value = next((part[k] for k in (kind, "path", "url", "bytes") if part.get(k) is not None), None)
+            inline[kind].append(value)
+        else:
+            raise BadSample(MALFORMED, f"unknown content part {part!r:.80}", source)
+    return "".join(pieces)
+
+
+def _turns(messages: Any, role_key: str, text_key: str, media, inline, source) -> list[Turn]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise BadSample(MALFORMED, "empty or non-list conversation", source)
+    turns = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadSample(MALFORMED, f"turn {i} is not an object", source)
+        role = ROLE_ALIASES.get(str(msg.get(role_key, "")).lower())
+        if role is None:
+            raise BadSample(MALFORMED, f"turn {i} has unknown role {msg.get(role_key)!r}", source)
+        turns.append(Turn(role, _content_text(msg.get(text_key), media, inline, source)))
+    return turns
+
+
+def _merge_inline(media, inline, source) -> None:
+    """Content parts either all carry their media, or all take the top-level lists."""
+    for modality, values in inline.items():
+        if not values:
+            continue
+        given = [v for v in values if v is not None]
+        if given and len(given) != len(values):
+            raise BadSample(MALFORMED, f"some {modality} parts carry media and some do not", source)
+        if given:
+            if media[modality]:
+                raise BadSample(
+                    MALFORMED, f"{modality} given both in content parts and at the top level", source
+                )
+            media[modality] = given
+
+
+def _check_placeholders(sample: Sample) -> None:
+    counts = dict.fromkeys(MODALITIES, 0)
+    for role, text in sample.segments():
+        for token in st.MEDIA_TOKENS:
+            if token in text:
+                raise BadSample(UNKNOWN_PLACEHOLDER, f"text contains the special token {token}", sample.source)
+        for m in _LOOKALIKE.finditer(text):
+            if m.group(0) not in _MODALITY_OF:
+                raise BadSample(
+                    UNKNOWN_PLACEHOLDER,
+                    f"unknown placeholder {m.group(0)!r} (known: {', '.join(st.PLACEHOLDERS.values())})",
+                    sample.source,
+                )
+        for piece in split_placeholders(text):
+            if isinstance(piece, tuple):
+                counts[piece[0]] += 1
+                if piece[0] == GEN_IMAGE and role in ("user", "system"):
+                    raise BadSample(MALFORMED, f"{st.PLACEHOLDERS[GEN_IMAGE]} in a {role} turn", sample.source)
+    for modality, n in counts.items():
+        have = len(sample.media.get(modality, []))
+        if n != have:
+            raise BadSample(
+                PLACEHOLDER_MISMATCH,
+                f"{n} {st.PLACEHOLDERS[modality]} placeholder(s) but {have} {modality} item(s)",
+                sample.source,
+            )
+
+
+def parse_row(row: dict, source: Source) -> Sample:
+    """Parse one row (see the module docstring); raises :class:`BadSample` if malformed."""
+    if not isinstance(row, dict):
+        raise BadSample(MALFORMED, f"row is a {type(row).__name__}, not an object", source)
+    media = _row_media(row, source)
+    inline: dict[str, list[Any]] = {m: [] for m in MODALITIES}
+    if row.get("messages") is not None:
+        sample = Sample(source, turns=_turns(row["messages"], "role", "content", media, inline, source))
+    elif row.get("conversations") is not None:
+        sample = Sample(source, turns=_turns(row["conversations"], "from", "value", media, inline, source))
+    elif row.get("caption") is not None and media[GEN_IMAGE]:
+        sample = Sample(source, turns=[
+            Turn("user", str(row["caption"])), Turn("assistant", st.PLACEHOLDERS[GEN_IMAGE])
+        ])
+    elif isinstance(row.get("text"), str) and row["text"]:
+        sample = Sample(source, text=row["text"])
+    else:
+        keys = ", ".join(sorted(k for k, v in row.items() if v is not None)) or "none"
+        raise BadSample(
+            MALFORMED, f"no 'messages', 'conversations', 'text' or 'caption'+'gen_image' (keys: {keys})",
+            source,
+        )
+    _merge_inline(media, inline, source)
+    sample.media = {m: v for m, v in media.items() if v}
+    _check_placeholders(sample)
+    return sample
