@@ -1,1 +1,6 @@
-"""The model zoo: importing this package registers every omni train spec with TorchTitan."""
+"""The model zoo: importing this package registers every omni train spec with TorchTitan.
+
+``janus``, ``llama_omni`` and ``qwen3_moe_omni``; see docs/models.md.
+"""
+
+from . import janus, llama_omni, qwen3_moe_omni  # noqa: F401  (each registers its spec)

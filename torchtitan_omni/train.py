@@ -31,6 +31,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
+from torchtitan_omni.checkpoint import setup_checkpointing
 from torchtitan_omni.config.manager import ConfigError, OmniConfigManager
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.sequence import shard_sequence
@@ -48,6 +49,8 @@ class OmniTrainer(Trainer):
 
     def __init__(self, job_config: JobConfig) -> None:
         super().__init__(job_config)
+        # Crash-safe, reshardable checkpoints and weights.sources (torchtitan_omni.checkpoint).
+        setup_checkpointing(self)
         if is_cpu():
             # TorchTitan autocasts to bf16 when FSDP is off; CPU runs stay in float32.
             self.maybe_enable_amp = contextlib.nullcontext()
@@ -120,7 +123,7 @@ class OmniTrainer(Trainer):
         for _ in range(self.gradient_accumulation_steps):
             batch, labels = next(data_iterator)
             self.metrics_processor.flops_since_last_log += self.flop_counter.batch(
-                batch[B.CU_SEQLENS], dims.sp
+                batch[B.CU_SEQLENS], dims.sp, batch=batch, labels=labels
             )
             batch, labels = shard_sequence(batch, labels, self.sp_rank, dims.sp)
             for name, count in model.count_targets(batch, labels).items():
@@ -169,8 +172,22 @@ class OmniTrainer(Trainer):
         self.metrics_processor.log_losses(
             self.step, total, max_loss, losses, float(grad_norm),
             extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr,
-                           **{f"targets/{n}": int(c) for n, c in global_counts.items()}},
+                           **{f"targets/{n}": int(c) for n, c in global_counts.items()},
+                           **self._skipped_samples()},
         )
+
+    def _skipped_samples(self) -> dict[str, int]:
+        """Samples the data pipeline skipped so far, per reason, summed over data ranks."""
+        stats = getattr(self.dataloader, "stats", None)
+        if stats is None:
+            return {}
+        counts = stats()
+        if not counts:
+            return {}
+        names = sorted(counts)
+        local = torch.tensor([counts[n] for n in names], dtype=torch.long, device=self.device)
+        total = all_reduce(local, self.parallel_dims.get_optional_mesh("batch"))
+        return {f"data/skipped_{n}": int(v) for n, v in zip(names, total)}
 
 
 @record

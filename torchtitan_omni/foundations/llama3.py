@@ -100,3 +100,8 @@ class Llama3(Foundation):
         init.ones_(self.norm.weight)
         cutoff = 3 * self.args.dim**-0.5
         init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)
+
+    def hf_adapter(self):
+        from torchtitan_omni.foundations.hf_adapters import Llama3HFAdapter
+
+        return Llama3HFAdapter(self.args)

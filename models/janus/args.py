@@ -1,0 +1,60 @@
+"""``janus`` arguments and flavors: DeepSeek-LLM (Llama-shaped) + SigLIP understanding encoder
+with Janus' aligner + VQ image generation (Janus-style decoupled visual encoding)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchtitan_omni.decoders.gen_image import GenImageArgs, GenImageDecoder
+from torchtitan_omni.encoders.siglip import SiglipArgs, SiglipEncoder
+from torchtitan_omni.foundations.llama3 import Llama3Args
+from torchtitan_omni.protocols.model import OmniModelArgs
+from torchtitan_omni.protocols.modules import OmniDecoder, OmniEncoder
+
+from ..common import build_on_meta, check_parallelism, processing_of
+
+
+def deepseek_llm_1_3b() -> Llama3Args:
+    """Janus-1.3B's language model: DeepSeek-LLM 1.3B (multi-head attention, no RoPE scaling)."""
+    return Llama3Args(
+        dim=2048, n_layers=24, n_heads=16, n_kv_heads=16, vocab_size=102400, ffn_hidden_dim=5632,
+        norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_seq_len=16384,
+    )
+
+
+@dataclass
+class JanusArgs(OmniModelArgs):
+    """Foundation, understanding encoder and generation decoder of ``janus`` (defaults: 1.3B)."""
+
+    llm: Llama3Args = field(default_factory=deepseek_llm_1_3b)
+    vision: SiglipArgs = field(default_factory=SiglipArgs.janus)
+    gen_image: GenImageArgs = field(default_factory=GenImageArgs)
+
+    @property
+    def llm_args(self) -> Llama3Args:
+        return self.llm
+
+    def build_encoders(self) -> dict[str, OmniEncoder]:
+        return {"vision": SiglipEncoder(self.vision, self.llm.dim)}
+
+    def build_decoders(self) -> dict[str, OmniDecoder]:
+        return {"gen_image": GenImageDecoder(self.gen_image, self.llm.dim)}
+
+    def processing(self) -> dict[str, object]:
+        return processing_of(build_on_meta(lambda: {**self.build_encoders(), **self.build_decoders()}))
+
+    def validate_parallelism(self, ulysses_degree: int, expert_parallel_degree: int) -> str | None:
+        return check_parallelism(self.llm.n_heads, self.llm.n_kv_heads, ulysses_degree,
+                                 expert_parallel_degree)
+
+
+FLAVORS = {
+    "debugmodel": JanusArgs(
+        llm=Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=2048,
+                       ffn_hidden_dim=128, norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                       max_seq_len=512),
+        vision=SiglipArgs.debug(), gen_image=GenImageArgs.debug(), vocab_from_tokenizer=True,
+    ),
+    # Janus-1.3B: SigLIP-L/16 @ 384 (576 tokens), VQ-16 with 16384 codes (576 image tokens).
+    "1.3B": JanusArgs(),
+}

@@ -1,0 +1,60 @@
+"""``llama_omni`` arguments and flavors: Llama-3 + Qwen2-VL-style vision (images, video) +
+Whisper-style audio + Janus-style image generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchtitan_omni.decoders.gen_image import GenImageArgs, GenImageDecoder
+from torchtitan_omni.encoders.audio import AudioArgs, AudioEncoder
+from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder
+from torchtitan_omni.foundations.llama3 import Llama3Args
+from torchtitan_omni.protocols.model import OmniModelArgs
+from torchtitan_omni.protocols.modules import OmniDecoder, OmniEncoder
+
+from ..common import build_on_meta, check_parallelism, processing_of
+
+
+@dataclass
+class LlamaOmniArgs(OmniModelArgs):
+    """Foundation, encoders and decoder of ``llama_omni`` (defaults: the 8B flavor)."""
+
+    llm: Llama3Args = field(default_factory=Llama3Args)
+    vision: VisionArgs = field(default_factory=VisionArgs)
+    audio: AudioArgs = field(default_factory=AudioArgs)
+    gen_image: GenImageArgs = field(default_factory=GenImageArgs)
+
+    @property
+    def llm_args(self) -> Llama3Args:
+        return self.llm
+
+    def build_encoders(self) -> dict[str, OmniEncoder]:
+        dim = self.llm.dim
+        return {"vision": VisionEncoder(self.vision, dim), "audio": AudioEncoder(self.audio, dim)}
+
+    def build_decoders(self) -> dict[str, OmniDecoder]:
+        return {"gen_image": GenImageDecoder(self.gen_image, self.llm.dim)}
+
+    def processing(self) -> dict[str, object]:
+        return processing_of(build_on_meta(lambda: {**self.build_encoders(), **self.build_decoders()}))
+
+    def validate_parallelism(self, ulysses_degree: int, expert_parallel_degree: int) -> str | None:
+        return check_parallelism(self.llm.n_heads, self.llm.n_kv_heads, ulysses_degree,
+                                 expert_parallel_degree)
+
+
+def debug_llm() -> Llama3Args:
+    """A 2-layer Llama for CPU runs (the vocabulary comes from the tokenizer)."""
+    return Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2048,
+                      ffn_hidden_dim=128, rope_theta=10000.0, rope_scaling=None, max_seq_len=512)
+
+
+FLAVORS = {
+    "debugmodel": LlamaOmniArgs(
+        llm=debug_llm(), vision=VisionArgs.debug(), audio=AudioArgs.debug(),
+        gen_image=GenImageArgs.debug(), vocab_from_tokenizer=True,
+    ),
+    # Llama-3.1-8B (same weights shape as Llama-3-8B; RoPE with the 3.1 long-context scaling),
+    # Qwen2-VL-7B's vision tower, Whisper-large-v3's encoder, Janus-Pro's VQ-16 generation.
+    "8B": LlamaOmniArgs(),
+}

@@ -1,0 +1,29 @@
+"""``qwen3_moe_omni``: the model (Qwen3-MoE + encoders) and its parallel plan."""
+
+from __future__ import annotations
+
+from torchtitan_omni.encoders.audio import AudioEncoder
+from torchtitan_omni.encoders.vision import VisionEncoder
+from torchtitan_omni.foundations.qwen3_moe import Qwen3Moe
+from torchtitan_omni.omni_model import OmniModel
+from torchtitan_omni.protocols.plan import OmniParallelPlan
+
+from ..common import LLM_ATTENTION, MOE_EXPERTS, encoder_part, llm_part
+from .args import Qwen3MoeOmniArgs
+
+PLAN = OmniParallelPlan(
+    parts=(
+        llm_part(),
+        encoder_part("vision", VisionEncoder),
+        encoder_part("audio", AudioEncoder),
+    ),
+    sequence_parallel_attention=(LLM_ATTENTION,),
+    experts=(MOE_EXPERTS,),
+)
+
+
+class Qwen3MoeOmniModel(OmniModel):
+    """Qwen3-MoE with vision (images, video) and audio encoders."""
+
+    def __init__(self, args: Qwen3MoeOmniArgs) -> None:
+        super().__init__(Qwen3Moe(args.llm), args.build_encoders(), args.build_decoders(), PLAN)
