@@ -117,7 +117,27 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
     for entry in cfg.weights.sources:
         if "=" not in entry:
             raise ConfigError(f"weights.sources entry {entry!r} is not 'part=path'")
+    _validate_activation_checkpoint(cfg)
     _validate_model(cfg, degrees)
+
+
+def _validate_activation_checkpoint(cfg: JobConfig) -> None:
+    ac = cfg.activation_checkpoint
+    if ac.mode == "memory_budget":
+        raise ConfigError(
+            "activation_checkpoint.mode 'memory_budget' needs torch.compile, which "
+            "torchtitan-omni does not apply; use none, full or selective"
+        )
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        try:
+            every = int(ac.selective_ac_option)
+        except ValueError:
+            every = 0
+        if every < 1:
+            raise ConfigError(
+                "activation_checkpoint.selective_ac_option must be 'op' or a whole number >= 1 "
+                f"(checkpoint every N-th layer), got {ac.selective_ac_option!r}"
+            )
 
 
 def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
@@ -150,3 +170,23 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
         )
         if problem:
             raise ConfigError(problem)
+    _validate_plan(spec, args, degrees["ulysses_degree"], cfg.parallelism.expert_parallel_degree)
+
+
+def _validate_plan(spec, args, ulysses_degree: int, ep_degree: int) -> None:
+    """The spec's declared plan against the degrees, on the model built on the meta device
+    (catches what a spec's own ``validate_parallelism`` misses)."""
+    if ulysses_degree == 1 and ep_degree == 1:
+        return
+    import torch
+
+    from torchtitan_omni.distributed.checks import plan_problem
+
+    try:
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+    except Exception:  # noqa: BLE001  (building fails for other reasons: the trainer reports it)
+        return
+    problem = plan_problem(model, ulysses_degree, ep_degree)
+    if problem:
+        raise ConfigError(problem)

@@ -6,10 +6,17 @@ The world is unflattened (rank order: pp, dp_replicate, dp_shard, sp, tp) into:
   and the ``sp`` ranks of a batch index each take a contiguous slice of its sequence;
 - dense ``[pp, dp_replicate, fsdp, tp]`` with ``fsdp = dp_shard x sp``: sequence-parallel
   ranks co-shard parameters (their gradients are summed by the same reduce-scatter);
-- split ``[pp, dp_replicate, dp_shard, sp, tp]``: for parts that shard over data ranks only;
+- split ``[pp, dp_replicate, dp_shard, sp, tp]``: gives the 1-D ``dp_shard`` mesh (data ranks
+  of one SP index);
 - sparse ``[pp, dp_replicate, efsdp, ep, etp]`` with ``efsdp x ep = dp_shard x sp``: expert
   parallel borrows its ranks from the FSDP ranks, and experts are FSDP-sharded over efsdp;
 - ``loss`` = batch x sp flattened: the ranks over which loss sums and token counts reduce.
+
+FSDP meshes per part (:meth:`OmniParallelDims.part_mesh`) are 1-D (shard) or 2-D (replicate,
+shard, i.e. HSDP) so that every gradient is summed over *all* data and sequence ranks whatever
+the part's sharding: "fsdp" shards over dp_shard x sp (replicate over dp_replicate);
+"dp_shard" shards over dp_shard and replicates over dp_replicate x sp; "none" replicates over
+every data rank (shard size 1). Experts use (dp_replicate, efsdp).
 
 Ulysses takes the slot TorchTitan gives context parallel (``cp``), so TorchTitan's own
 accounting (tokens per device, FSDP gradient divide factor, EP borrowing) stays right; the
@@ -18,6 +25,7 @@ mesh dimension is named ``sp`` and ``get_mesh("cp")`` returns the same mesh.
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan.distributed import ParallelDims
@@ -127,6 +135,51 @@ class OmniParallelDims(ParallelDims):
             actual = self._meshes[name].size()
             if actual != size:
                 raise RuntimeError(f"mesh {name!r} has size {actual}, expected {size}")
+
+    # ----------------------------------------------------------------- per-part meshes
+    def part_mesh(self, choice: str) -> DeviceMesh | None:
+        """The FSDP mesh of a part laid out as ``choice`` ("fsdp", "dp_shard" or "none").
+
+        None when there is a single data rank (nothing to shard or reduce).
+        """
+        if choice not in ("fsdp", "dp_shard", "none"):
+            raise ValueError(f"unknown FSDP mesh {choice!r} (expected fsdp, dp_shard or none)")
+        if self.dp_replicate * self.dp_shard * self.sp == 1:
+            return None
+        if not self._meshes:
+            self.build_mesh()
+        cache = self.__dict__.setdefault("_part_meshes", {})
+        if choice not in cache:
+            if choice == "fsdp" or (choice == "dp_shard" and self.sp == 1):
+                if self.dp_replicate > 1:
+                    cache[choice] = self._global_meshes["dense"]["dp_replicate", "fsdp"]
+                else:
+                    cache[choice] = self._meshes["fsdp"]
+            else:
+                cache[choice] = self._replicated_mesh(choice)
+        return cache[choice]
+
+    def _replicated_mesh(self, choice: str) -> DeviceMesh:
+        # Ranks are laid out (dp_replicate, dp_shard, sp) (pp = tp = 1): the replicate dim of
+        # "dp_shard" gathers dp_replicate x sp, which is not contiguous, hence an explicit mesh.
+        ranks = torch.arange(self.world_size).view(self.dp_replicate, self.dp_shard, self.sp)
+        if choice == "dp_shard":
+            layout = ranks.permute(0, 2, 1).reshape(self.dp_replicate * self.sp, self.dp_shard)
+            names = ("replicate_dp_sp", "dp_shard_only")
+        else:
+            layout = ranks.reshape(-1, 1)
+            names = ("replicate_all", "no_shard")
+        return DeviceMesh(device_type(), layout, mesh_dim_names=names)
+
+    def expert_mesh(self) -> DeviceMesh | None:
+        """The FSDP mesh of expert-parallel experts: (dp_replicate, efsdp) or efsdp."""
+        if self.ep == 1:
+            return None
+        if not self._meshes:
+            self.build_mesh()
+        if self.dp_replicate > 1:
+            return self._global_meshes["sparse"]["dp_replicate", "efsdp"]
+        return self._meshes["efsdp"]
 
     @property
     def seq_len_divisor(self) -> int:

@@ -1,6 +1,16 @@
 """Applying a model spec's parallel plan: the ``parallelize_fn`` of every omni train spec.
 
-Order (each step reads the spec's ``OmniParallelPlan``): seed and freeze, FSDP2 per part.
+Order (each step reads the spec's ``OmniParallelPlan``):
+
+1. seed and freeze (``omni.init_seed``, ``omni.freeze``);
+2. Ulysses runners on the plan's ``sequence_parallel_attention`` modules (sync or async), and
+   the encoders' SP mode (``parallelism.encoder_sequence_parallel``);
+3. expert parallel on the plan's ``experts`` modules (``ep`` mesh, all-to-all dispatcher);
+4. activation checkpointing of each part's ``ac_units``;
+5. FSDP2: experts over the expert mesh, then each part's units and the part over the part's
+   mesh, then the root. Every reduction is a plain sum (the loss is already divided by the
+   global target count; gloo has no AVG/PREMUL_SUM).
+
 The model arrives on the meta device and leaves sharded, still on meta; the trainer then
 materializes only the local shards (``to_empty``) and runs the layout-invariant init.
 """
@@ -12,13 +22,18 @@ import fnmatch
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.tools.logging import logger
 
+from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+from torchtitan_omni.distributed.encoder_sp import install_split_encoders
+from torchtitan_omni.distributed.expert_parallel import apply_expert_parallel
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
+from torchtitan_omni.distributed.ulysses import kv_replication, make_runner
 from torchtitan_omni.platform import is_cpu
-from torchtitan_omni.protocols.plan import OmniParallelPlan
+from torchtitan_omni.protocols.plan import OmniParallelPlan, PartLayout
 
 
 def name_matches(name: str, pattern: str) -> bool:
@@ -40,6 +55,12 @@ def matching_modules(model: nn.Module, root: str, patterns: tuple[str, ...]) -> 
     return out
 
 
+def is_llm_part(part: PartLayout) -> bool:
+    """The foundation (``[activation_checkpoint]``) vs. encoders and decoders."""
+    return part.root == "llm" or part.root.startswith("llm.")
+
+
+# ----------------------------------------------------------------- mixed precision
 def mixed_precision(job_config: JobConfig) -> MixedPrecisionPolicy:
     """bf16 (``training.mixed_precision_param``) params with fp32 reductions on GPU; fp32 on CPU."""
     if is_cpu():
@@ -50,38 +71,167 @@ def mixed_precision(job_config: JobConfig) -> MixedPrecisionPolicy:
     )
 
 
-def _use_sum_reductions(model: nn.Module) -> None:
-    # The loss is already divided by the global token count, so gradients must be summed over
+def _fp32_policy(mp: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                output_dtype=mp.param_dtype)
+
+
+# ----------------------------------------------------------------- Ulysses
+def apply_ulysses(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
+                  async_op: bool) -> list[str]:
+    """Install Ulysses runners on the plan's attention modules; returns their names."""
+    modules = matching_modules(model, "", plan.sequence_parallel_attention)
+    if not modules:
+        raise ValueError(
+            "parallelism.ulysses_degree > 1 but the model's plan lists no "
+            "sequence_parallel_attention modules (or none matches): this model cannot run "
+            "Ulysses sequence parallel"
+        )
+    group = dims.get_mesh("sp").get_group()
+    for name, attn in modules:
+        if not all(hasattr(attn, a) for a in ("project", "core", "wo", "runner")):
+            raise TypeError(
+                f"{name} ({type(attn).__name__}) is listed for sequence parallel but is not a "
+                "torchtitan_omni.modules.attention.SelfAttention (project/core/wo/runner)"
+            )
+        try:
+            kv_replication(attn.n_heads, attn.n_kv_heads, dims.sp)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        attn.runner = make_runner(group, async_op)
+    return [n for n, _ in modules]
+
+
+# ----------------------------------------------------------------- FSDP
+def _part_mesh_choice(part: PartLayout, module: nn.Module, job_config: JobConfig) -> str:
+    override = job_config.parallelism.encoder_fsdp_mesh
+    # A wholly frozen part keeps the plan's mesh: the spec may have replicated it on purpose
+    # (e.g. a VQ tokenizer that runs only on ranks whose batch has targets, where a sharded
+    # one would wait for an all-gather that the other ranks never issue).
+    frozen = not any(p.requires_grad for p in module.parameters())
+    if override != "plan" and not is_llm_part(part) and not frozen:
+        return override
+    return part.mesh
+
+
+def _expert_shard_placement(local_experts: int, efsdp: int, params: list[nn.Parameter]):
+    # Shard experts on dim 0 when each efsdp rank gets whole experts, else on dim 1 (even).
+    if local_experts % efsdp == 0:
+        return None
+    if all(p.shape[1] % efsdp == 0 for p in params):
+        return lambda p: Shard(1)
+    return None  # uneven dim-0 shards; FSDP pads
+
+
+def _sum_reductions(model: nn.Module) -> None:
+    # The loss is already divided by the global target count, so gradients must be summed over
     # ranks, not averaged; and gloo has no AVG/PREMUL_SUM, so the collectives use plain SUM.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
 
 
-def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims, job_config: JobConfig) -> None:
-    """FSDP2 over each part's mesh: its units first, then the part, then the whole model."""
-    if not (dims.fsdp_enabled or dims.dp_replicate_enabled):
-        return
+def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
+               job_config: JobConfig, expert_names: list[str] = ()) -> dict[str, str]:
+    """FSDP2 per part (see the module docstring); returns each part's mesh choice."""
+    default_mesh = dims.part_mesh("fsdp")
+    if default_mesh is None:
+        return {}
     mp = mixed_precision(job_config)
-    policy = job_config.parallelism.fsdp_reshard_after_forward
-    reshard = policy != "never"
-    default_mesh = dims.get_mesh(["dp_replicate", "fsdp"]) if dims.dp_replicate_enabled else dims.get_mesh("fsdp")
+    reshard = job_config.parallelism.fsdp_reshard_after_forward != "never"
+    fp32 = matching_modules(model, "", plan.fp32_modules)
+
+    def shard(module: nn.Module, mesh, **kwargs) -> None:
+        if isinstance(module, FSDPModule):
+            return  # already a unit (e.g. an fp32 module that is also listed as a unit)
+        policy = _fp32_policy(mp) if any(module is m for _, m in fp32) else mp
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, **kwargs)
+
+    if expert_names:
+        emesh = dims.expert_mesh()
+        efsdp = dims.get_mesh("efsdp").size()
+        for name in expert_names:
+            experts = model.get_submodule(name)
+            params = list(experts.parameters(recurse=False))
+            local = params[0].shape[0] // dims.ep
+            shard(experts, emesh, shard_placement_fn=_expert_shard_placement(local, efsdp, params))
+
+    choices = {}
     for part in plan.parts:
+        root = model.get_submodule(part.root)
+        choice = _part_mesh_choice(part, root, job_config)
+        mesh = dims.part_mesh(choice)
+        prefix = part.root + "."
+        # fp32 modules get their own unit (their own mixed-precision policy) first.
+        for name, module in fp32:
+            if name == part.root or name.startswith(prefix):
+                shard(module, mesh)
         for _, module in matching_modules(model, part.root, part.fsdp_units):
-            fully_shard(module, mesh=default_mesh, mp_policy=mp, reshard_after_forward=reshard)
-        part_module = model.get_submodule(part.root)
-        fully_shard(part_module, mesh=default_mesh, mp_policy=mp, reshard_after_forward=reshard)
+            shard(module, mesh)
+        shard(root, mesh)
+        choices[part.root] = choice
+    for _, module in fp32:
+        shard(module, default_mesh)  # fp32 modules outside every part
     fully_shard(model, mesh=default_mesh, mp_policy=mp, reshard_after_forward=False)
-    _use_sum_reductions(model)
-    logger.info(f"Applied FSDP2 over mesh {default_mesh.mesh_dim_names}")
+    _sum_reductions(model)
+    return choices
 
 
+# ----------------------------------------------------------------- activation checkpointing
+def apply_activation_checkpointing(model: nn.Module, plan: OmniParallelPlan, job_config: JobConfig) -> dict[str, int]:
+    """Checkpoint each part's ``ac_units``: LLM by ``[activation_checkpoint]``, encoders and
+    decoders by ``omni.encoder_activation_checkpoint``; returns units wrapped per part."""
+    ac = job_config.activation_checkpoint
+    done = {}
+    for part in plan.parts:
+        units = [m for _, m in matching_modules(model, part.root, part.ac_units)]
+        if is_llm_part(part):
+            n = checkpoint_units(units, ac.mode, str(ac.selective_ac_option),
+                                 preserve_rng_state=ac.preserve_rng_state)
+        else:
+            n = checkpoint_units(units, job_config.omni.encoder_activation_checkpoint)
+        if n:
+            done[part.root] = n
+    return done
+
+
+# ----------------------------------------------------------------- entry point
 def parallelize_omni(model: nn.Module, parallel_dims: OmniParallelDims, job_config: JobConfig) -> nn.Module:
     """``TrainSpec.parallelize_fn`` of every omni spec: apply the model's declared plan."""
+    plan: OmniParallelPlan = model.parallel_plan
+    dims = parallel_dims
+    p = job_config.parallelism
     model.init_seed = job_config.omni.init_seed
     frozen = model.freeze(list(job_config.omni.freeze))
     if frozen:
         logger.info(f"Frozen modules: {', '.join(frozen)}")
-    apply_fsdp(model, model.parallel_plan, parallel_dims, job_config)
+
+    if dims.sp_enabled:
+        names = apply_ulysses(model, plan, dims, p.ulysses_async)
+        logger.info(f"Ulysses SP{dims.sp} ({'async' if p.ulysses_async else 'sync'}) on "
+                    f"{len(names)} attention modules")
+        if p.encoder_sequence_parallel == "split" and len(getattr(model, "encoders", ())):
+            split = install_split_encoders(model.encoders, dims.get_mesh("sp").get_group())
+            logger.info(f"Encoders split media items over SP ranks: {', '.join(split)}")
+
+    expert_names = []
+    if dims.ep > 1:
+        expert_names = [n for n, _ in matching_modules(model, "", plan.experts)]
+        if not expert_names:
+            raise ValueError(
+                "parallelism.expert_parallel_degree > 1 but the model's plan lists no experts "
+                "modules (or none matches)"
+            )
+        apply_expert_parallel(model, expert_names, dims.get_mesh("ep"))
+        logger.info(f"Expert parallel EP{dims.ep} on {len(expert_names)} experts modules")
+
+    ac = apply_activation_checkpointing(model, plan, job_config)
+    if ac:
+        logger.info("Activation checkpointing: " + ", ".join(f"{k}: {v} units" for k, v in ac.items()))
+
+    choices = apply_fsdp(model, plan, dims, job_config, expert_names)
+    if choices:
+        logger.info("FSDP2 meshes: " + ", ".join(f"{k}: {v}" for k, v in choices.items()))
     return model

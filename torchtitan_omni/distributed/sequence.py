@@ -2,8 +2,10 @@
 
 Every SP rank of a data-parallel group loads the same batch; each keeps one contiguous slice
 of the token-aligned tensors. Sequence-level tensors (``cu_seqlens``) and media stay whole:
-attention runs over the full sequence after the all-to-all, and every SP rank runs the
-encoders on all media of the batch, keeping the rows its slice's placeholders ask for.
+attention runs over the full sequence after the all-to-all (``ulysses.py``), and the encoders
+see all media of the batch (each SP rank encodes all of it, or a share of the items with the
+embeddings gathered: ``encoder_sp.py``); the slice's ``<modality>_embed_index`` picks the rows
+its placeholders ask for.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh | None, op: str = "sum") -
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the global L2 norm of all gradients to ``max_norm``; returns the norm before.
 
-    Gradients are grouped by (mesh, placements) so that DTensors on different meshes are
-    never mixed in one foreach kernel; each group's sharded norm is completed on its mesh.
+    Parameters are grouped by their gradients' (mesh, placements) so that DTensors on
+    different meshes (LLM, encoders, experts) never meet in one foreach kernel; each group's
+    sharded norm is completed on its own mesh, then the squares are summed.
     """
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
@@ -35,19 +36,22 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
         if g is None:
             continue
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-        groups[key].append(g)
+        groups[key].append(p)
     if not groups:
         return torch.zeros(())
     squares = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
     device = squares[0].device
     total = torch.stack([s.to(device) for s in squares]).sum().sqrt()
-    for grads in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.to(_local(grads[0]).device), foreach=True)
+    for params in groups.values():
+        # clip_grads_with_norm_ reads p.grad: it takes the parameters, not the gradients.
+        torch.nn.utils.clip_grads_with_norm_(
+            params, max_norm, total.to(_local(params[0].grad).device), foreach=True
+        )
     return total
 
 

@@ -1,0 +1,89 @@
+"""Start-up checks of parallel layouts: one clear line per misconfiguration (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import common as C
+from torchtitan_omni.config.manager import ConfigError, OmniConfigManager
+from torchtitan_omni.config.validate import validate_job_config
+from torchtitan_omni.distributed.checks import expert_problem, plan_problem, ulysses_problem
+from torchtitan_omni.distributed.encoder_sp import slice_items, split_bounds
+from torchtitan_omni.distributed.ulysses import kv_replication
+
+
+def _meta_model(**spec):
+    with torch.device("meta"):
+        return C.build_model(C.ModelSpec(**spec))
+
+
+def test_kv_replication_gives_whole_heads():
+    for heads, kv, degree in [(4, 1, 2), (8, 2, 4), (6, 2, 3), (12, 4, 6), (32, 8, 8), (4, 4, 2)]:
+        rep = kv_replication(heads, kv, degree)
+        assert (kv * rep) % degree == 0 and (heads // kv) % rep == 0, (heads, kv, degree, rep)
+    with pytest.raises(ValueError, match="does not divide the 6 attention heads"):
+        kv_replication(6, 2, 4)
+
+
+def test_ulysses_and_expert_messages():
+    line = ulysses_problem(6, 2, 4, "llm.layers.0.attention")
+    assert "ulysses_degree (4)" in line and "6 q heads" in line and "llm.layers.0.attention" in line
+    assert ulysses_problem(4, 1, 4) is None
+    line = expert_problem(6, 4, "llm.layers.1.moe.experts")
+    assert "expert_parallel_degree (4)" in line and "6" in line and "moe.experts" in line
+    assert expert_problem(8, 4) is None
+
+
+def test_plan_problem_on_meta_models():
+    assert plan_problem(_meta_model(n_kv_heads=1), 2, 1) is None
+    line = plan_problem(_meta_model(), 3, 1)
+    assert "ulysses_degree (3)" in line and "llm.layers.0.attention" in line
+    assert plan_problem(_meta_model(moe=True), 2, 2) is None
+    line = plan_problem(_meta_model(moe=True), 1, 3)
+    assert "expert_parallel_degree (3)" in line and "4 experts" in line
+    line = plan_problem(_meta_model(), 1, 2)
+    assert "no experts" in line
+
+
+def _config(*args):
+    return OmniConfigManager().parse_args(["--job.config_file", "tests/configs/synthetic.toml", *args])
+
+
+def test_validate_job_config_layouts():
+    cfg = _config()
+    cfg.parallelism.ulysses_degree = 2
+    validate_job_config(cfg, world_size=2)
+    validate_job_config(cfg, world_size=4)  # dp_shard -1 -> 2
+    cfg.parallelism.data_parallel_shard_degree = 2
+    with pytest.raises(ConfigError, match="does not match the world size 2"):
+        validate_job_config(cfg, world_size=2)
+    cfg.parallelism.data_parallel_shard_degree = -1
+    cfg.parallelism.ulysses_degree = 3
+    with pytest.raises(ConfigError, match="ulysses") as e:
+        validate_job_config(cfg, world_size=3)
+    assert "\n" not in str(e.value)
+    cfg.parallelism.ulysses_degree = 1
+    cfg.parallelism.expert_parallel_degree = 2
+    with pytest.raises(ConfigError, match="expert_parallel_degree") as e:
+        validate_job_config(cfg, world_size=2)  # the synthetic model has no experts
+    cfg.parallelism.expert_parallel_degree = 1
+    cfg.activation_checkpoint.mode = "memory_budget"
+    with pytest.raises(ConfigError, match="memory_budget"):
+        validate_job_config(cfg, world_size=1)
+    cfg.activation_checkpoint.mode = "selective"
+    cfg.activation_checkpoint.selective_ac_option = "every"
+    with pytest.raises(ConfigError, match="selective_ac_option"):
+        validate_job_config(cfg, world_size=1)
+
+
+def test_split_bounds_and_item_slicing():
+    assert split_bounds([4, 4, 4, 4], 2) == [0, 2, 4]
+    assert split_bounds([12, 2, 2], 2) == [0, 1, 3]
+    assert split_bounds([5], 2) == [0, 1, 1]  # one item: the second rank gets none
+    media = {"patches": torch.arange(10).view(10, 1), "grid_thw": torch.tensor([[1, 2, 2], [1, 3, 2]])}
+    part = slice_items(media, 1, 2)
+    assert part["patches"].flatten().tolist() == [4, 5, 6, 7, 8, 9]
+    assert part["grid_thw"].tolist() == [[1, 3, 2]]
+    with pytest.raises(ValueError, match="'odd' has 3 rows"):
+        slice_items({**media, "odd": torch.zeros(3)}, 0, 1)

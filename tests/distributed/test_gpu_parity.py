@@ -1,0 +1,119 @@
+"""The parity checks on 2+ CUDA GPUs with NCCL: float32 (tight) and bf16 mixed precision
+(bf16 tolerance) for SP2 sync/async, EP2 and EP2 + SP2, against a one-GPU reference.
+
+Run on a GPU host: ``pytest tests/distributed/test_gpu_parity.py`` (skipped without 2 GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+
+from tests.harness import free_port
+
+pytestmark = pytest.mark.gpu
+
+FP32_RTOL = 1e-4
+BF16_LOSS_RTOL, BF16_GRAD_RTOL = 2e-2, 6e-2
+
+
+def _worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TORCHTITAN_OMNI_DEVICE="cuda")
+    import torch.distributed as dist
+
+    import torchtitan_omni  # noqa: F401
+
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        result = _checks(world)
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _one(world, spec, dims_kw, cfg_kw, precision):
+    from tests.distributed import common as C
+
+    device = f"cuda:{torch.cuda.current_device()}"
+    dims = C.make_dims(world, **dims_kw)
+    cfg = C.job_config(training__mixed_precision_param=precision, **cfg_kw)
+    model = C.parallel_model(spec, dims, cfg, device=device)
+    ndp = dims.dp_replicate * dims.dp_shard
+    dp = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
+    batches = [C.to_device(*C.make_batch(110 + 5 * i), device) for i in range(ndp)]
+    losses = C.parallel_step(model, dims, *batches[dp])
+    grads = C.full_grads(model)
+    ref = C.reference_model(spec, device=device)
+    if precision == "bfloat16":
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref_losses = C.reference_step(ref, batches)
+        problems = C.compare_norms(grads, ref, BF16_GRAD_RTOL)
+        tol = BF16_LOSS_RTOL
+    else:
+        ref_losses = C.reference_step(ref, batches)
+        problems = C.compare(grads, ref, FP32_RTOL)
+        tol = FP32_RTOL
+    err = max(C.rel_error(losses[k], ref_losses[k]) for k in ref_losses)
+    return {"loss_err": err, "tol": tol, "problems": problems, "losses": losses, "ref": ref_losses}
+
+
+def _checks(world):
+    from tests.distributed import common as C
+
+    out = {}
+    for precision in ("float32", "bfloat16"):
+        for name, spec, dims_kw, cfg_kw in [
+            ("sp2_sync", C.ModelSpec(n_kv_heads=1), dict(dp_shard=world // 2, sp=2),
+             dict(parallelism__encoder_fsdp_mesh="none")),
+            ("sp2_async", C.ModelSpec(n_kv_heads=1), dict(dp_shard=world // 2, sp=2),
+             dict(parallelism__ulysses_async=True)),
+            ("ep2", C.ModelSpec(moe=True), dict(dp_shard=world, ep=2), {}),
+            ("ep2_sp2", C.ModelSpec(moe=True), dict(dp_shard=world // 2, sp=2, ep=2),
+             dict(parallelism__ulysses_async=True, parallelism__encoder_fsdp_mesh="dp_shard")),
+        ]:
+            key = f"{name}_{precision}"
+            try:
+                out[key] = _one(world, spec, dims_kw, cfg_kw, precision)
+            except Exception:
+                out[key] = {"error": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpu_results():
+    world = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if world < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    world = 4 if world >= 4 else 2
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]
+
+
+@pytest.mark.parametrize("name", ["sp2_sync", "sp2_async", "ep2", "ep2_sp2"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_gpu_parity(gpu_results, name, precision):
+    for rank, res in enumerate(gpu_results):
+        assert "error" not in res, res["error"]
+        out = res[f"{name}_{precision}"]
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        print(f"rank {rank} {name} {precision}: loss error {out['loss_err']:.2e}")
+        assert out["loss_err"] <= out["tol"], out
+        assert not out["problems"], f"rank {rank}: " + "; ".join(out["problems"][:8])

@@ -1,0 +1,92 @@
+"""Per-part activation checkpointing, applied in place (parameter names do not change).
+
+The LLM's units (the plan's ``ac_units`` of the ``llm`` part) follow TorchTitan's
+``[activation_checkpoint]``: ``mode = "none" | "full" | "selective"``, where selective takes
+``selective_ac_option`` = N (every N-th unit, counted per part) or ``"op"`` (every unit, saving
+the outputs of matmuls and attention and recomputing the rest). Encoder and decoder units
+follow ``omni.encoder_activation_checkpoint`` (``"none" | "full"``).
+
+The unit's ``forward`` is replaced (instance attribute) by one that runs the original through
+``torch.utils.checkpoint.checkpoint`` (non-reentrant): parameter names, hence the
+layout-invariant init and checkpoints, stay the same with and without AC, and FSDP's hooks
+(which live in ``__call__``) stay outside the checkpointed region, so the recomputation neither
+re-gathers parameters nor confuses per-op SAC (as PyTorch's composable ``checkpoint`` would:
+its hooks run inside FSDP's).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+_MARK = "_omni_activation_checkpoint"
+
+_SAVE_OPS = {
+    "mm", "addmm", "bmm", "baddbmm", "_grouped_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward", "_efficient_attention_forward",
+}
+
+
+def _op_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    packet = getattr(op, "overloadpacket", None)
+    if packet is not None and packet.__name__ in _SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_op_policy)
+
+
+def checkpoint_units(units: list[nn.Module], mode: str, option: str = "1", *,
+                     preserve_rng_state: bool = True) -> int:
+    """Checkpoint ``units`` (in model order) by ``mode``; returns how many were wrapped."""
+    if mode == "none" or not units:
+        return 0
+    kwargs = {"preserve_rng_state": preserve_rng_state, "use_reentrant": False}
+    if mode == "full":
+        every = 1
+    elif mode == "selective" and option == "op":
+        every = 1
+        kwargs["context_fn"] = _op_context
+    elif mode == "selective":
+        try:
+            every = int(option)
+        except ValueError:
+            raise ValueError(
+                f"activation_checkpoint.selective_ac_option must be 'op' or a whole number, "
+                f"got {option!r}"
+            ) from None
+        if every < 1:
+            raise ValueError(f"activation_checkpoint.selective_ac_option must be >= 1, got {every}")
+    else:
+        raise ValueError(f"activation checkpoint mode {mode!r} is not supported here")
+    wrapped = 0
+    for i, unit in enumerate(units):
+        if (i + 1) % every == 0:
+            _checkpoint_forward(unit, kwargs)
+            wrapped += 1
+    return wrapped
+
+
+def _checkpoint_forward(unit: nn.Module, kwargs: dict) -> None:
+    if getattr(unit, _MARK, False):
+        raise ValueError(f"{type(unit).__name__} is activation-checkpointed twice")
+    inner = unit.forward
+
+    def forward(*args, **kw):
+        return checkpoint(inner, *args, **kwargs, **kw)
+
+    unit.forward = forward
+    setattr(unit, _MARK, True)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`checkpoint_units` checkpointed ``module``."""
+    return getattr(module, _MARK, False)

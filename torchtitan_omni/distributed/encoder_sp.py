@@ -1,0 +1,101 @@
+"""Encoders under Ulysses sequence parallel.
+
+The SP ranks of a data-parallel group hold the same batch (each keeps a slice of the token
+sequence), hence the same media. Two ways keep the encoders correct:
+
+- ``"replicate"`` (default, nothing installed): every SP rank encodes all media and keeps the
+  rows its slice's placeholders ask for. Gradients of rows outside the slice are zero, and
+  FSDP sums encoder gradients over the SP ranks. Costs SP x the encoder compute.
+- ``"split"`` (:func:`install_split_encoders`): SP rank r encodes a contiguous share of the
+  media items (balanced by patch/row count), and the embeddings are gathered on every SP rank
+  (:func:`torchtitan_omni.distributed.comm.gather_rows`, whose backward sums each item's row
+  gradients over the SP ranks). Each rank encodes ~1/SP of the media. Needs encoders that treat
+  items independently (true of the vision, SigLIP and Whisper-style encoders: per-item
+  attention); a rank without items encodes the encoder's dummy item times zero so that FSDP's
+  collectives still match.
+
+Items are recognised from the processing contract (``torchtitan_omni.protocols.processing``):
+with a ``grid_thw`` tensor, an item owns ``t*h*w`` rows of every tensor whose first dimension
+is the total patch count and one row of every tensor whose first dimension is the item count;
+otherwise every tensor's first dimension is the item count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torchtitan_omni.distributed.comm import ProcessGroup, gather_rows
+
+
+def item_rows(media: dict[str, torch.Tensor]) -> list[int]:
+    """Rows (patches) each media item owns; one per item without ``grid_thw``."""
+    grid = media.get("grid_thw")
+    if grid is not None:
+        return [int(x) for x in grid.prod(-1).tolist()]
+    first = next(iter(media.values()))
+    return [1] * first.shape[0]
+
+
+def split_bounds(costs: list[int], parts: int) -> list[int]:
+    """``parts + 1`` item boundaries splitting ``costs`` into contiguous, balanced shares."""
+    total = sum(costs)
+    bounds, acc, item = [0], 0, 0
+    for p in range(1, parts):
+        target = total * p / parts
+        while item < len(costs) and acc + costs[item] / 2 <= target:
+            acc += costs[item]
+            item += 1
+        bounds.append(item)
+    bounds.append(len(costs))
+    return bounds
+
+
+def slice_items(media: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
+    """Items ``[start, end)`` of a modality's media (see the module docstring)."""
+    rows = item_rows(media)
+    n_items, n_rows = len(rows), sum(rows)
+    row_start, row_end = sum(rows[:start]), sum(rows[:end])
+    out = {}
+    for key, t in media.items():
+        if t.dim() == 0:
+            raise ValueError(f"media tensor {key!r} is a scalar; cannot split it between SP ranks")
+        if t.shape[0] == n_items:
+            out[key] = t[start:end]
+        elif t.shape[0] == n_rows:
+            out[key] = t[row_start:row_end]
+        else:
+            raise ValueError(
+                f"media tensor {key!r} has {t.shape[0]} rows, neither the {n_items} items nor "
+                f"their {n_rows} patches; cannot split it between SP ranks (use "
+                "parallelism.encoder_sequence_parallel = \"replicate\")"
+            )
+    return out
+
+
+def _split_forward(encoder: nn.Module, inner, group: ProcessGroup, media, modality):
+    rank, degree = dist.get_rank(group), group.size()
+    bounds = split_bounds(item_rows(media), degree)
+    start, end = bounds[rank], bounds[rank + 1]
+    if end > start:
+        local = inner(slice_items(media, start, end), modality)
+    else:
+        dummy = inner(encoder.dummy_media(modality, next(iter(media.values())).device), modality)
+        local = dummy[:0]  # no rows, but every parameter is in the graph (zero gradients)
+    sizes = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
+    gathered = [torch.empty_like(sizes) for _ in range(degree)]
+    dist.all_gather(gathered, sizes, group=group)
+    return gather_rows(local, [int(s) for s in torch.cat(gathered).tolist()], group)
+
+
+def install_split_encoders(encoders: nn.ModuleDict, group: ProcessGroup) -> list[str]:
+    """Make each encoder's forward split its media items over ``group``; returns their names."""
+    names = []
+    for name, encoder in encoders.items():
+        inner = type(encoder).forward.__get__(encoder)
+        encoder.forward = functools.partial(_split_forward, encoder, inner, group)
+        names.append(name)
+    return names

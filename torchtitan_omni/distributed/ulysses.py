@@ -1,0 +1,121 @@
+"""Ulysses sequence parallel: attention runners that swap a split sequence for split heads.
+
+Each SP rank holds a contiguous slice ``[B, S/P, dim]`` of every row. The runner projects its
+slice to q/k/v (per-head norm and RoPE use the slice's own ``position_ids``), all-to-all turns
+``[B, S/P, H, D]`` into ``[B, S, H/P, D]`` (the full sequence for ``H/P`` heads), the module's
+``core`` attends over the full packed sequence (``meta.cu_seqlens`` describes it), and the
+reverse all-to-all returns ``[B, S/P, H, D]`` for the output projection.
+
+GQA with fewer kv heads than the degree (or a count it does not divide): kv heads are repeated
+(``repeat_interleave``, as attention itself pairs them with q heads) until each rank receives
+whole kv heads for its q heads; the repeat's backward sums the copies' gradients.
+
+:class:`AsyncUlyssesRunner` gives the same numbers and overlaps communication with compute:
+q's all-to-all runs during the k projection, k's during the v projection, v's while q and k
+are unpacked; in backward the output projection's input gradient travels while its weight
+gradient is computed, and v's, k's and q's gradient all-to-alls overlap the v, k and q
+projection gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from torchtitan_omni.distributed.comm import (
+    ProcessGroup,
+    all_to_all,
+    all_to_all_linear,
+    all_to_all_start,
+    all_to_all_wait,
+)
+from torchtitan_omni.protocols.modules import AttentionMeta
+
+SEQ_DIM, HEAD_DIM = 1, 2  # of [B, S, H, D]
+
+
+def kv_replication(n_heads: int, n_kv_heads: int, degree: int) -> int:
+    """How many times to repeat each kv head so that ``degree`` ranks get whole kv heads.
+
+    Requires ``degree | n_heads``; then the factor ``degree / gcd(n_kv_heads, degree)`` always
+    divides ``n_heads / n_kv_heads``, so q heads still pair with their own kv heads.
+    """
+    if n_heads % degree:
+        raise ValueError(
+            f"Ulysses degree {degree} does not divide the {n_heads} attention heads"
+        )
+    return degree // math.gcd(n_kv_heads, degree)
+
+
+def _repeat_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
+    return t if rep == 1 else t.repeat_interleave(rep, dim=HEAD_DIM)
+
+
+class UlyssesRunner:
+    """Synchronous Ulysses attention over the ranks of ``group`` (the ``sp`` mesh)."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.degree = group.size()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(degree={self.degree})"
+
+    def _check(self, attn: nn.Module, meta: AttentionMeta, local_len: int) -> int:
+        full = int(meta.cu_seqlens[-1]) if meta.cu_seqlens.device.type == "cpu" else None
+        batch = meta.position_ids.shape[0]
+        if full is not None and full != batch * local_len * self.degree:
+            raise ValueError(
+                f"Ulysses: cu_seqlens covers {full} tokens but {self.degree} ranks x "
+                f"{batch} rows x {local_len} local tokens = {batch * local_len * self.degree}; "
+                "cu_seqlens must describe the full (unsliced) packed batch"
+            )
+        return kv_replication(attn.n_heads, attn.n_kv_heads, self.degree)
+
+    def __call__(self, attn: nn.Module, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        rep = self._check(attn, meta, x.shape[1])
+        q = attn.project(x, "q", meta)
+        k = _repeat_kv(attn.project(x, "k", meta), rep)
+        v = _repeat_kv(attn.project(x, "v", meta), rep)
+        q, k, v = (all_to_all(t, HEAD_DIM, SEQ_DIM, self.group) for t in (q, k, v))
+        o = attn.core(q, k, v, meta)
+        o = all_to_all(o, SEQ_DIM, HEAD_DIM, self.group)
+        return attn.wo(o.flatten(2))
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` whose forward we may replace by ``F.linear``."""
+    return (
+        type(module) is nn.Linear
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and not nn.modules.module._global_forward_hooks
+        and not nn.modules.module._global_forward_pre_hooks
+    )
+
+
+class AsyncUlyssesRunner(UlyssesRunner):
+    """Ulysses attention with the all-to-alls overlapped (see the module docstring)."""
+
+    def __call__(self, attn: nn.Module, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        rep = self._check(attn, meta, x.shape[1])
+        g = self.group
+        q_buf, q_pending = all_to_all_start(attn.project(x, "q", meta), HEAD_DIM, SEQ_DIM, g)
+        k = _repeat_kv(attn.project(x, "k", meta), rep)
+        k_buf, k_pending = all_to_all_start(k, HEAD_DIM, SEQ_DIM, g)
+        v = _repeat_kv(attn.project(x, "v", meta), rep)
+        v_buf, v_pending = all_to_all_start(v, HEAD_DIM, SEQ_DIM, g)
+        q = all_to_all_wait(q_buf, q_pending, SEQ_DIM, g)
+        k = all_to_all_wait(k_buf, k_pending, SEQ_DIM, g)
+        v = all_to_all_wait(v_buf, v_pending, SEQ_DIM, g)
+        o = attn.core(q, k, v, meta)
+        if _plain_linear(attn.wo):
+            return all_to_all_linear(o, attn.wo.weight, attn.wo.bias, SEQ_DIM, HEAD_DIM, g)
+        return attn.wo(all_to_all(o, SEQ_DIM, HEAD_DIM, g).flatten(2))
+
+
+def make_runner(group: ProcessGroup, async_op: bool) -> UlyssesRunner:
+    """The Ulysses runner for ``group``: asynchronous (overlapped) or synchronous."""
+    return AsyncUlyssesRunner(group) if async_op else UlyssesRunner(group)
