@@ -36,6 +36,11 @@ class HFAdapter(ABC):
         """``fnmatch`` patterns of HF keys that are knowingly not loaded (e.g. rotary tables)."""
         return ()
 
+    def init_only(self) -> tuple[str, ...]:
+        """``fnmatch`` patterns of our tensors the checkpoint knowingly lacks (e.g. a projector
+        to a new LLM width): they have no source and keep their initialization."""
+        return ()
+
     @abstractmethod
     def hf_config(self) -> dict:
         """The ``config.json`` written next to an exported checkpoint."""

@@ -1,0 +1,83 @@
+"""The encoders and the generation decoder inside an ``OmniModel``: their rows land on the
+placeholders, the losses train them (never the VQ), and the dummy path runs without media."""
+
+import torch
+
+from tests.decoders.test_vq import tiny_args as tiny_vq
+from tests.encoders.test_audio import tiny_args as tiny_audio
+from tests.encoders.test_vision import items_media, tiny_args as tiny_vision
+from torchtitan_omni.decoders.gen_image import GenImageArgs, GenImageDecoder
+from torchtitan_omni.encoders.audio import AudioEncoder
+from torchtitan_omni.encoders.vision import VisionEncoder
+from torchtitan_omni.foundations.llama3 import Llama3, Llama3Args
+from torchtitan_omni.omni_model import OmniModel
+from torchtitan_omni.protocols.modules import AttentionMeta
+
+DIM, VOCAB, S = 32, 64, 48
+
+
+def build() -> OmniModel:
+    llm = Llama3(Llama3Args(dim=DIM, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
+                            ffn_hidden_dim=64, rope_scaling=None, max_seq_len=S))
+    model = OmniModel(
+        llm,
+        encoders={"vision": VisionEncoder(tiny_vision(), DIM), "audio": AudioEncoder(tiny_audio(), DIM)},
+        decoders={"gen_image": GenImageDecoder(GenImageArgs(vq=tiny_vq(image_size=8)), DIM)},
+    )
+    model.init_weights()
+    return model
+
+
+def index(positions, n=S):
+    out = torch.full((1, n), -1, dtype=torch.long)
+    out[0, positions] = torch.arange(len(positions))
+    return out
+
+
+def test_media_rows_land_on_placeholders_and_train_the_parts():
+    torch.manual_seed(0)
+    model = build()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (1, S), generator=g)
+    labels = torch.full((1, S), -100)
+    labels[0, :2] = tokens[0, 1:3]
+    labels[0, 36:47] = tokens[0, 37:48]
+    batch = {
+        **{f"image_{k}": v for k, v in items_media(
+            model.encoders["vision"], [torch.randn(1, 3, 16, 16, generator=g)], torch.float32).items()},
+        "image_embed_index": index(list(range(2, 6))),  # 4x4 patches -> 4 tokens
+        "audio_features": torch.randn(1, 16, 7, generator=g),
+        "audio_lengths": torch.tensor([7]),
+        "audio_embed_index": index([8, 9]),  # ceil(7 / 4) = 2 tokens
+        "gen_image_pixels": torch.rand(1, 3, 8, 8, generator=g) * 2 - 1,
+        "gen_image_embed_index": index(list(range(20, 36))),  # 4x4 codes
+        "gen_image_target_index": index(list(range(19, 35))),
+    }
+    h, targets = model.embed(tokens, batch)
+    media = {"patches": batch["image_patches"], "grid_thw": batch["image_grid_thw"]}
+    assert torch.allclose(h[0, 2:6], model.encoders["vision"](media, "image"))
+    assert targets["gen_image"].shape == (16,)
+
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, S], dtype=torch.int32), max_seqlen=S,
+                         position_ids=torch.arange(S)[None])
+    out = model(tokens, meta, labels, **batch)
+    assert set(out.losses) == {"text", "gen_image"}
+    sum(out.losses.values()).backward()
+    for part in ("encoders.vision.blocks", "encoders.audio.blocks", "decoders.gen_image.aligner",
+                 "decoders.gen_image.head", "encoders.vision.merger", "encoders.audio.projector"):
+        grads = [p.grad for p in model.get_submodule(part).parameters()]
+        assert all(gr is not None for gr in grads) and sum(gr.abs().sum() for gr in grads) > 0, part
+    assert all(p.grad is None for p in model.decoders["gen_image"].vq.parameters())
+
+
+def test_dummy_path_without_media():
+    model = build()
+    tokens = torch.randint(0, VOCAB, (1, S))
+    labels = torch.roll(tokens, -1, 1)
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, S], dtype=torch.int32), max_seqlen=S,
+                         position_ids=torch.arange(S)[None])
+    out = model(tokens, meta, labels)
+    sum(out.losses.values()).backward()
+    for part in ("encoders.vision", "encoders.audio", "decoders.gen_image.aligner"):
+        grads = [p.grad for p in model.get_submodule(part).parameters()]
+        assert all(gr is not None and gr.abs().sum() == 0 for gr in grads), part

@@ -1,0 +1,112 @@
+"""Pieces shared by the encoders: the pre-LN transformer block, a fused-qkv attention, the
+quick-GELU MLP, and the attention metadata of a packed sequence of items.
+
+Every encoder packs its items (images, frames, clips) into one sequence ``[1, T, dim]`` and
+attends within each item through ``torchtitan_omni.modules.attention.varlen_attention``, so an
+item never sees another one and padding never takes part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchtitan_omni.modules import init
+from torchtitan_omni.modules.attention import SelfAttention
+from torchtitan_omni.modules.mlp import GeluMLP
+from torchtitan_omni.protocols.modules import AttentionMeta
+
+
+def packed_meta(
+    lengths: Sequence[int], device: torch.device, position_ids: torch.Tensor | None = None
+) -> AttentionMeta:
+    """Bidirectional attention metadata for items of these lengths packed back to back."""
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + int(n))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    if position_ids is None:
+        # No rotary embedding reads them; kept for the AttentionMeta contract.
+        position_ids = torch.zeros(1, bounds[-1], dtype=torch.long, device=device)
+    return AttentionMeta(
+        cu_seqlens=cu, max_seqlen=max((int(n) for n in lengths), default=0),
+        position_ids=position_ids, causal=False,
+    )
+
+
+class QuickGeluMLP(GeluMLP):
+    """``fc2(quick_gelu(fc1 x))`` with ``quick_gelu(x) = x * sigmoid(1.702 x)`` (CLIP, Qwen2-VL)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(h * torch.sigmoid(1.702 * h))
+
+
+class FusedQKVAttention(SelfAttention):
+    """Bidirectional multi-head attention whose q, k and v projections are one ``qkv`` linear.
+
+    Hugging Face vision towers (Qwen2-VL) store one fused ``qkv`` tensor; keeping it fused lets
+    a checkpoint map one-to-one. ``project`` reads the q, k or v rows of the fused weight, so
+    the runner contract of ``SelfAttention`` (project / core / wo) is unchanged.
+    """
+
+    def __init__(self, dim: int, n_heads: int, rope: nn.Module | None = None) -> None:
+        super().__init__(dim, n_heads, qkv_bias=True, out_bias=True, causal=False, rope=rope)
+        del self.wq, self.wk, self.wv
+        self.qkv = nn.Linear(dim, 3 * n_heads * self.head_dim, bias=True)
+
+    def project(self, x: torch.Tensor, which: str, meta: AttentionMeta) -> torch.Tensor:
+        i = "qkv".index(which)
+        width = self.n_heads * self.head_dim
+        rows = slice(i * width, (i + 1) * width)
+        out = F.linear(x, self.qkv.weight[rows], self.qkv.bias[rows])
+        out = out.unflatten(-1, (-1, self.head_dim))
+        if which != "v" and self.rope is not None:
+            out = self.rope(out, meta.position_ids)
+        return out
+
+    def init_weights(self, std: float, out_std: float | None = None) -> None:
+        """Truncated-normal ``qkv`` and ``wo`` (``out_std`` for ``wo``), zero biases."""
+        init.trunc_normal_(self.qkv.weight, std=std)
+        init.zeros_(self.qkv.bias)
+        init.trunc_normal_(self.wo.weight, std=std if out_std is None else out_std)
+        init.zeros_(self.wo.bias)
+
+
+class EncoderBlock(nn.Module):
+    """Pre-LN transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, dim: int, attn: SelfAttention, mlp: GeluMLP, norm_eps: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.attn = attn
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), meta)
+        return x + self.mlp(self.norm2(x))
+
+    def init_weights(self, std: float = 0.02) -> None:
+        """Unit LayerNorms, truncated-normal projections, zero biases."""
+        for norm in (self.norm1, self.norm2):
+            init_layer_norm(norm)
+        self.attn.init_weights(std)
+        self.mlp.init_weights(std)
+
+
+def init_layer_norm(norm: nn.LayerNorm) -> None:
+    """Weight one, bias zero."""
+    init.ones_(norm.weight)
+    if norm.bias is not None:
+        init.zeros_(norm.bias)
+
+
+def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    """Apply the blocks in order to a packed sequence ``[1, T, dim]``."""
+    for block in blocks:
+        x = block(x, meta)
+    return x
