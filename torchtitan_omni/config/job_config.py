@@ -130,6 +130,41 @@ class Weights:
 
 
 @dataclass
+class Generate:
+    """``python -m torchtitan_omni.generate``: sampling from a trained checkpoint."""
+
+    checkpoint: str = ""
+    """A DCP checkpoint folder (step-N) or a checkpoint root (its newest complete step).
+    Empty: <job.dump_folder>/<checkpoint.folder>."""
+
+    mode: Literal["text", "image"] = "text"
+    """"text": answer ``prompt`` (with media); "image": draw ``prompt`` as a caption."""
+
+    prompt: str = ""
+    """The user turn. Media placeholders (<image>, <video>, <audio>) take the files of
+    ``media`` in order."""
+
+    media: list[str] = field(default_factory=list)
+    """Files for the prompt's placeholders, in placeholder order."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    """Sampling temperature; 0 decodes greedily."""
+
+    top_k: int = 0
+    """Sample among the k most likely tokens (0: all)."""
+
+    cfg_scale: float = 5.0
+    """Classifier-free guidance scale of image generation (1: no guidance)."""
+
+    num_images: int = 1
+    output: str = "generated"
+    """Folder the images (PNG) and the text answer (answer.txt) are written to."""
+
+    seed: int = 0
+
+
+@dataclass
 class JobConfig:
     """The sections torchtitan-omni adds or extends."""
 
@@ -137,3 +172,4 @@ class JobConfig:
     omni: Omni = field(default_factory=Omni)
     data: Data = field(default_factory=Data)
     weights: Weights = field(default_factory=Weights)
+    generate: Generate = field(default_factory=Generate)
