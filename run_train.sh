@@ -21,7 +21,7 @@ fi
 
 # Check the config (keys, types, degrees vs. NGPU) once, with a one-line error, before
 # starting NGPU processes.
-NGPU=$NGPU python3 -m torchtitan_omni.config.check --job.config_file "${CONFIG_FILE}" "$@"
+WORLD_SIZE=$NGPU python3 -m torchtitan_omni.config.check --job.config_file "${CONFIG_FILE}" "$@"
 
 PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-"expandable_segments:True"} \
 torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
