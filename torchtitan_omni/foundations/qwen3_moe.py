@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from torchtitan_omni.modules import init
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.modules.moe import MoE, load_balancing_loss
 from torchtitan_omni.modules.rope import RotaryEmbedding
-from torchtitan_omni.protocols.modules import AttentionMeta, Foundation
+from torchtitan_omni.foundations.decoder import DecoderLM, PreNormBlock
+from torchtitan_omni.protocols.modules import AttentionMeta
 
 AUX_LOSS = "moe_aux"
 
@@ -52,54 +52,30 @@ class Qwen3MoeArgs:
         return self.head_dim
 
 
-class Qwen3MoeBlock(nn.Module):
+class Qwen3MoeBlock(PreNormBlock):
     """Pre-norm attention (q/k norm) + MoE block."""
 
+    ffn_attr = "moe"
+
     def __init__(self, layer_id: int, args: Qwen3MoeArgs, rope: RotaryEmbedding) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = SelfAttention(
+        attention = SelfAttention(
             args.dim, args.n_heads, args.n_kv_heads, args.head_dim, qkv_bias=args.attention_bias,
             out_bias=args.attention_bias, qk_norm=True, norm_eps=args.norm_eps, rope=rope,
         )
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe = MoE(args.dim, args.moe_hidden_dim, args.num_experts, args.top_k, args.norm_topk_prob)
-        n = (layer_id + 1) if args.depth_init else args.n_layers
-        self.out_std = 0.02 / (2 * n) ** 0.5
-
-    def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), meta)
-        return x + self.moe(self.ffn_norm(x))
-
-    def init_weights(self) -> None:
-        init.ones_(self.attention_norm.weight)
-        init.ones_(self.ffn_norm.weight)
-        self.attention.init_weights(0.02, self.out_std)
-        self.moe.init_weights(0.02, self.out_std)
+        moe = MoE(args.dim, args.moe_hidden_dim, args.num_experts, args.top_k, args.norm_topk_prob)
+        super().__init__(layer_id, args, attention, moe)
 
 
-class Qwen3Moe(Foundation):
+class Qwen3Moe(DecoderLM):
     """Token embedding, Qwen3-MoE blocks, final RMSNorm and the untied text head."""
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.dim = args.dim
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.rope = RotaryEmbedding(args.head_dim, args.max_seq_len, args.rope_theta)
-        self.layers = nn.ModuleDict(
-            {str(i): Qwen3MoeBlock(i, args, self.rope) for i in range(args.n_layers)}
-        )
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        super().__init__(args, lambda i, rope: Qwen3MoeBlock(i, args, rope))
 
     def forward(self, h: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         for layer in self.layers.values():
             layer.moe.balance = None
-        for layer in self.layers.values():
-            h = layer(h, meta)
-        return self.norm(h)
+        return super().forward(h, meta)
 
     def aux_losses(self) -> dict[str, torch.Tensor]:
         """The load-balancing loss of the last forward, pooled over all layers (HF's)."""
@@ -107,15 +83,6 @@ class Qwen3Moe(Foundation):
         if any(r is None for r in records):
             return {}
         return {AUX_LOSS: load_balancing_loss(records, self.args.num_experts)}
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        self.rope.init_weights(buffer_device)
-        init.normal_(self.tok_embeddings.weight, std=1.0)
-        for layer in self.layers.values():
-            layer.init_weights()
-        init.ones_(self.norm.weight)
-        cutoff = 3 * self.args.dim**-0.5
-        init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)
 
     def hf_adapter(self):
         from torchtitan_omni.foundations.hf_adapters import Qwen3MoeHFAdapter

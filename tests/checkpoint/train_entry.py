@@ -1,0 +1,39 @@
+"""``TRAIN_FILE=tests.checkpoint.train_entry run_train.sh ...``: the omni trainer, with every
+step's named losses appended at full precision to ``$OMNI_LOSS_FILE`` by rank 0 (the console
+prints 5 decimals; the resume tests compare exactly)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+import torchtitan_omni  # noqa: F401  (device selection first)
+from torchtitan.tools.logging import init_logger
+
+from torchtitan_omni.config.manager import OmniConfigManager
+from torchtitan_omni.train import OmniTrainer
+
+
+class LossRecordingTrainer(OmniTrainer):
+    def train_step(self, data_iterator) -> None:
+        super().train_step(data_iterator)
+        path = os.environ.get("OMNI_LOSS_FILE")
+        if path and torch.distributed.get_rank() == 0 and self.last_losses:
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": self.step, **self.last_losses}) + "\n")
+
+
+def main() -> None:
+    init_logger()
+    trainer = LossRecordingTrainer(OmniConfigManager().parse_args())
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

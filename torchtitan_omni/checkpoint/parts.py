@@ -1,0 +1,59 @@
+"""The parts of an omni model that weights are loaded into, and their tensors by name.
+
+A part is any sub-module named by its dotted path (``llm``, ``encoders.vision``,
+``decoders.gen_image.vq``). Its tensors are its parameters and persistent buffers, named
+relative to the part as in an unwrapped model: the segments that activation checkpointing and
+``torch.compile`` insert (``_checkpoint_wrapped_module``, ``_orig_mod``) are removed, as
+``get_model_state_dict`` does, so names match both HF adapters and DCP checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from torchtitan_omni.checkpoint.safetensors_folder import CheckpointFormatError
+
+_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the segments wrappers insert."""
+    return ".".join(s for s in name.split(".") if s not in _WRAPPER_SEGMENTS)
+
+
+def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers of ``module``, by clean name (tied names all listed)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        out[clean_name(name)] = param
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for buf_name, buf in mod._buffers.items():
+            if buf is None or buf_name in mod._non_persistent_buffers_set:
+                continue
+            out[clean_name(f"{mod_name}.{buf_name}" if mod_name else buf_name)] = buf
+    return out
+
+
+def top_level_parts(model: nn.Module) -> list[str]:
+    """``llm``, ``encoders.<name>`` and ``decoders.<name>`` of an omni model (for messages)."""
+    names = []
+    for name, _ in model.named_children():
+        child = getattr(model, name)
+        if isinstance(child, nn.ModuleDict):
+            names += [f"{name}.{k}" for k in child.keys()]
+        else:
+            names.append(name)
+    return names
+
+
+def resolve_part(model: nn.Module, part: str) -> nn.Module:
+    """The sub-module at ``part`` (a clean dotted path), or a clear error."""
+    modules = {clean_name(n): m for n, m in model.named_modules()}
+    module = modules.get(part)
+    if module is None or not part:
+        raise CheckpointFormatError(
+            f"weights.sources names part {part!r}, which is not a module of the model "
+            f"(parts: {', '.join(top_level_parts(model))})"
+        )
+    return module

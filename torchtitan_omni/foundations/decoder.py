@@ -1,0 +1,78 @@
+"""The decoder-only LM skeleton shared by the foundations.
+
+``PreNormBlock``: ``x + attention(norm(x))`` then ``x + ffn(norm(x))``, with TorchTitan's
+depth-scaled init of the output projections. ``DecoderLM``: token embedding, blocks, final
+RMSNorm and the untied text head, RoPE tables shared by every block. A foundation supplies its
+args and a block factory (Llama-3: SwiGLU blocks; Qwen3-MoE: q/k-normed attention + MoE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from torchtitan_omni.modules import init
+from torchtitan_omni.modules.rope import RotaryEmbedding
+from torchtitan_omni.protocols.modules import AttentionMeta, Foundation
+
+
+class PreNormBlock(nn.Module):
+    """Pre-norm attention + feed-forward block; the feed-forward sits at ``ffn_attr``."""
+
+    #: attribute name of the feed-forward (kept per foundation for checkpoint names)
+    ffn_attr = "feed_forward"
+
+    def __init__(self, layer_id: int, args, attention: nn.Module, ffn: nn.Module) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = attention
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        setattr(self, self.ffn_attr, ffn)
+        n = (layer_id + 1) if args.depth_init else args.n_layers
+        self.out_std = 0.02 / (2 * n) ** 0.5
+
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self.ffn_attr)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), meta)
+        return x + self.ffn(self.ffn_norm(x))
+
+    def init_weights(self) -> None:
+        init.ones_(self.attention_norm.weight)
+        init.ones_(self.ffn_norm.weight)
+        self.attention.init_weights(0.02, self.out_std)
+        self.ffn.init_weights(0.02, self.out_std)
+
+
+class DecoderLM(Foundation):
+    """Token embedding, ``args.n_layers`` blocks, final RMSNorm and the text head."""
+
+    def __init__(self, args, make_block: Callable[[int, RotaryEmbedding], nn.Module],
+                 rope_scaling=None) -> None:
+        super().__init__()
+        self.args = args
+        self.dim = args.dim
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.rope = RotaryEmbedding(args.resolved_head_dim, args.max_seq_len, args.rope_theta, rope_scaling)
+        self.layers = nn.ModuleDict({str(i): make_block(i, self.rope) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        for layer in self.layers.values():
+            h = layer(h, meta)
+        return self.norm(h)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        self.rope.init_weights(buffer_device)
+        init.normal_(self.tok_embeddings.weight, std=1.0)
+        for layer in self.layers.values():
+            layer.init_weights()
+        init.ones_(self.norm.weight)
+        cutoff = 3 * self.args.dim**-0.5
+        init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)
