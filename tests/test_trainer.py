@@ -72,3 +72,22 @@ def test_impossible_layout():
     assert "world size 3" in line
     line = _one_error_line(_check(["--parallelism.ulysses_degree", "3"], ngpu=3))
     assert "ulysses" in line
+
+
+def test_missing_weights_source_and_bad_data_value():
+    line = _one_error_line(_check(["--weights.sources", "llm=/no/such/ckpt"]))
+    assert "weights.sources" in line and "/no/such/ckpt" in line
+
+
+def test_runtime_input_error_is_one_line(tmp_path):
+    # A weights folder that exists but holds no checkpoint passes the start-up check and
+    # fails while loading: the rank reports one line, no Python traceback of ours.
+    empty = tmp_path / "empty_ckpt"
+    empty.mkdir()
+    proc = _check(["--weights.sources", f"llm={empty}", "--training.steps", "1",
+                   "--job.dump_folder", str(tmp_path / "out")])
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    errors = [l for l in out.splitlines() if "torchtitan-omni: error:" in l]
+    assert errors and str(empty) in errors[0], out[-3000:]
+    assert "torchtitan_omni/" not in out.split("torchtitan-omni: error:")[-1], out[-3000:]

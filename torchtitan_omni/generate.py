@@ -40,6 +40,7 @@ from torchtitan_omni.data.processors import build_processors
 from torchtitan_omni.data.sample import Sample, Turn, split_placeholders
 from torchtitan_omni.data.template import generation_prompt
 from torchtitan_omni.data.tokenizer import build_omni_tokenizer
+from torchtitan_omni.errors import OmniInputError
 from torchtitan_omni.modules.attention import KVCache
 from torchtitan_omni.omni_model import OmniModel
 from torchtitan_omni.platform import local_device
@@ -105,8 +106,9 @@ class Generator:
         assistant marker, laid out as the data pipeline lays out training samples."""
         wanted = [p[0] for p in split_placeholders(prompt) if isinstance(p, tuple)]
         if len(wanted) != len(media):
-            raise ValueError(
-                f"the prompt has {len(wanted)} media placeholder(s) but {len(media)} file(s) were given")
+            raise ConfigError(
+                f"generate.prompt has {len(wanted)} media placeholder(s) but generate.media "
+                f"names {len(media)} file(s)")
         refs: dict[str, list[str]] = {}
         for modality, path in zip(wanted, media):
             refs.setdefault(modality, []).append(os.path.abspath(path))
@@ -144,7 +146,8 @@ class Generator:
                     generator: torch.Generator | None = None) -> torch.Tensor:
         """Image-decoder ids ``[num_images, tokens_per_image]`` for ``caption``."""
         if B.GEN_IMAGE not in self.model.decoders:
-            raise ValueError("this model has no image decoder (no gen_image modality)")
+            raise ConfigError(
+                f"generate.mode='image' needs an image decoder; {type(self.model).__name__} has none")
         decoder = self.model.decoders[B.GEN_IMAGE]
         per_image = decoder.processing().num_tokens()
         cond = generation_prompt(self.tok, caption)
@@ -196,6 +199,15 @@ def main(argv: list[str] | None = None) -> None:
     from torchtitan_omni.checkpoint.model_build import init_process_group
 
     init_process_group()  # DCP reads through a (single-process) group
+    try:
+        _run(cfg)
+    except (OmniInputError, FileNotFoundError) as e:
+        print(f"torchtitan-omni: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _run(cfg: JobConfig) -> None:
+    g = cfg.generate
     gen = Generator.from_config(cfg)
     rng = torch.Generator(device=gen.device).manual_seed(g.seed)
     os.makedirs(g.output, exist_ok=True)
@@ -212,7 +224,6 @@ def main(argv: list[str] | None = None) -> None:
             path = os.path.join(g.output, f"image_{i}.png")
             save_png(image, path)
             print(path)
-
 
 if __name__ == "__main__":
     main()

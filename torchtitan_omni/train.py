@@ -36,6 +36,7 @@ from torchtitan_omni.config.manager import ConfigError, OmniConfigManager
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.sequence import shard_sequence
 from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_
+from torchtitan_omni.errors import OmniInputError
 from torchtitan_omni.flops import FlopCounter
 from torchtitan_omni.platform import is_cpu
 from torchtitan_omni.protocols import batch as B
@@ -208,6 +209,11 @@ def main(argv: list[str] | None = None) -> None:
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
             trainer.train()
+    except (OmniInputError, FileNotFoundError) as e:
+        # Bad input (data, checkpoint, weights): the message names it; no traceback.
+        logger.error(f"torchtitan-omni: {e}")
+        print(f"torchtitan-omni: error: {e}", file=sys.stderr)
+        sys.exit(1)
     finally:
         if trainer is not None:
             trainer.close()

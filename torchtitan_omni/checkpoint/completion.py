@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from torchtitan.tools.logging import logger
+from torchtitan_omni.errors import CheckpointFormatError
 
 MANIFEST = "omni_manifest.json"
 DCP_METADATA = ".metadata"
@@ -205,12 +206,12 @@ def resolve_checkpoint(path: str) -> str:
                 logger.warning(f"{path} has no {MANIFEST} (not written by torchtitan-omni): "
                                "checked against DCP's metadata only")
         if problem:
-            raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
+            raise CheckpointFormatError(f"checkpoint {path} cannot be loaded: {problem}")
         return path
     complete, skipped = scan(path)
     if not complete:
         why = ("; ".join(skipped)) if skipped else "no step-N folders and no .metadata"
-        raise ValueError(f"no complete DCP checkpoint in {path} ({why})")
+        raise CheckpointFormatError(f"no complete DCP checkpoint in {path} ({why})")
     for line in skipped:
         logger.warning(f"{path}: skipping {line}")
     return complete[-1].path

@@ -51,6 +51,7 @@ from torchtitan_omni.checkpoint.completion import (
 )
 from torchtitan_omni.checkpoint.stateful import RNG, DataloaderState, RNGState
 from torchtitan_omni.distributed.utils import all_reduce
+from torchtitan_omni.errors import CheckpointFormatError
 from torchtitan_omni.platform import local_device
 
 _MAX_LISTED = 20
@@ -112,13 +113,13 @@ class OmniCheckpointManager(CheckpointManager):
                  checkpoint_config, sd_adapter, base_folder: str, parallel_dims,
                  ft_manager=None) -> None:
         if checkpoint_config.enable and checkpoint_config.last_save_in_hf:
-            raise ValueError(
+            raise CheckpointFormatError(
                 "checkpoint.last_save_in_hf is not supported by torchtitan-omni: export with "
                 "scripts/convert_checkpoint.py dcp-to-hf (the LLM, encoders and decoders each "
                 "get a Hugging Face folder)"
             )
         if checkpoint_config.enable and checkpoint_config.initial_load_in_hf:
-            raise ValueError(
+            raise CheckpointFormatError(
                 "checkpoint.initial_load_in_hf is not supported by torchtitan-omni: give each "
                 "part's Hugging Face folder in weights.sources, e.g. 'llm=/ckpt/Llama-3-8B'"
             )
@@ -146,7 +147,7 @@ class OmniCheckpointManager(CheckpointManager):
                  enable_garbage_collection: bool = False, to_hf: bool = False):
         """Write into ``saving-N.tmp``; rank 0 publishes it as ``step-N`` once complete."""
         if to_hf:
-            raise ValueError("Hugging Face output goes through scripts/convert_checkpoint.py")
+            raise CheckpointFormatError("Hugging Face output goes through scripts/convert_checkpoint.py")
         tmp = tmp_dir(checkpoint_id)
         info = {"step": step_of(checkpoint_id), "model_only": OPTIMIZER not in state_dict,
                 "layout": self.layout, "torch": torch.__version__}
@@ -251,7 +252,7 @@ class OmniCheckpointManager(CheckpointManager):
             path = step_dir(self.folder, step)
             problem = verify(path)
             if problem:
-                raise ValueError(f"checkpoint.load_step={step}: {path} cannot be loaded: {problem}")
+                raise CheckpointFormatError(f"checkpoint.load_step={step}: {path} cannot be loaded: {problem}")
             target = Candidate(step, path, read_manifest(path) or {})
             model_only = step == 0 or bool(target.manifest.get("model_only"))
         else:
@@ -288,7 +289,7 @@ class OmniCheckpointManager(CheckpointManager):
         else:
             for key in self.exclude_from_loading:
                 if key not in self.states:
-                    raise ValueError(
+                    raise CheckpointFormatError(
                         f"checkpoint.exclude_from_loading names {key!r}; the checkpoint holds "
                         f"{', '.join(sorted(self.states))}"
                     )
@@ -330,7 +331,7 @@ class OmniCheckpointManager(CheckpointManager):
         if any(k.startswith(OPTIMIZER) for k in missing):
             hint = (" (an optimizer state that differs, e.g. other frozen parts: pass "
                     "--checkpoint.exclude_from_loading optimizer to start it afresh)")
-        raise ValueError(
+        raise CheckpointFormatError(
             f"checkpoint {path} does not match this model: {len(missing)} missing and "
             f"{len(mismatched)} mismatched tensors{hint}:\n  " + "\n  ".join(lines)
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from torchtitan_omni.checkpoint.safetensors_folder import CheckpointFormatError
+from torchtitan_omni.errors import CheckpointFormatError
 
 _WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from torchtitan_omni.checkpoint.sharding import Runs, local_shape
+from torchtitan_omni.errors import CheckpointFormatError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -33,10 +34,6 @@ _DTYPES = {
 for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
     if hasattr(torch, _attr):
         _DTYPES[_name] = getattr(torch, _attr)
-
-
-class CheckpointFormatError(ValueError):
-    """A checkpoint folder or file is missing, malformed or does not match the model."""
 
 
 @dataclass(frozen=True)

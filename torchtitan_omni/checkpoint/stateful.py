@@ -30,6 +30,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.tools.logging import logger
+from torchtitan_omni.errors import CheckpointFormatError
 
 RNG = "rng"
 RESHARD_METHOD = "load_state_dict_resharded"
@@ -59,7 +60,7 @@ class DataloaderState(Stateful):
     def for_loading(self, checkpoint_keys: set[str], prefix: str) -> Stateful:
         """What to hand DCP to restore from a checkpoint with these (flattened) keys."""
         if f"{prefix}.dp_world_size" not in checkpoint_keys:
-            raise ValueError(
+            raise CheckpointFormatError(
                 "the checkpoint holds no torchtitan-omni dataloader state; pass "
                 "--checkpoint.exclude_from_loading dataloader to start the data stream afresh"
             )
@@ -67,7 +68,7 @@ class DataloaderState(Stateful):
         if old == self.dp_world_size:
             return self
         if not callable(getattr(self.loader, RESHARD_METHOD, None)):
-            raise ValueError(
+            raise CheckpointFormatError(
                 f"the checkpoint's dataloader state was saved by {old} data-parallel ranks and "
                 f"this run has {self.dp_world_size}; {type(self.loader).__name__} cannot re-split "
                 f"it (no {RESHARD_METHOD}). Keep the data-parallel size, or pass "

@@ -25,7 +25,8 @@ from torchtitan.tools.logging import logger
 from torchtitan_omni.checkpoint.completion import DCP_METADATA, resolve_checkpoint, scan
 from torchtitan_omni.checkpoint.hf_loader import LoadReport, load_part_from_hf
 from torchtitan_omni.checkpoint.parts import resolve_part, state_tensors, top_level_parts
-from torchtitan_omni.checkpoint.safetensors_folder import INDEX_FILE, CheckpointFormatError
+from torchtitan_omni.checkpoint.safetensors_folder import INDEX_FILE
+from torchtitan_omni.errors import CheckpointFormatError
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ class OmniMetricsProcessor(MetricsProcessor):
         self.last_metrics = metrics
 
         c = self.color
-        named = "  ".join(f"{name}: {value:.5f}" for name, value in losses.items())
+        # "+ 0.0" prints a loss without targets this step (0 x something) as 0, not -0
+        named = "  ".join(f"{name}: {value + 0.0:.5f}" for name, value in losses.items())
         logger.info(
             f"{c.red}step: {step:2}  {c.green}loss: {total_loss:8.5f} ({named})  "
             f"{c.orange}grad_norm: {grad_norm:7.4f}  "

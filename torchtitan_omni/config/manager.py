@@ -26,10 +26,12 @@ except ModuleNotFoundError:  # Python 3.10
 
 from torchtitan.config import ConfigManager, JobConfig
 
+from torchtitan_omni.errors import OmniInputError
+
 OMNI_CONFIG_MODULE = "torchtitan_omni.config.job_config"
 
 
-class ConfigError(ValueError):
+class ConfigError(OmniInputError, ValueError):
     """A configuration problem; its message is one line that names the key or file."""
 
 

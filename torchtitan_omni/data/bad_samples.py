@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from torchtitan.tools.logging import logger
 
+from torchtitan_omni.errors import OmniInputError
+
 MISSING_MEDIA = "missing_media"
 CORRUPT_MEDIA = "corrupt_media"
 UNKNOWN_PLACEHOLDER = "unknown_placeholder"
@@ -53,7 +55,7 @@ class BadSample(Exception):
         return f"{where}{self.reason}: {self.detail}"
 
 
-class BadSampleError(ValueError):
+class BadSampleError(OmniInputError, ValueError):
     """Raised instead of skipping when ``data.bad_sample_policy = "error"``."""
 
 

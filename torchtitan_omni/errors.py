@@ -1,0 +1,15 @@
+"""The error class of bad input: a config, data, checkpoint or weights problem.
+
+Its message names the problem (the key, the file, the tensor, the sample and row). The entry
+points (``torchtitan_omni.train``, ``torchtitan_omni.generate``, the scripts) print it on one
+line and exit with status 1 instead of showing a traceback; anything else is a bug and keeps
+its traceback.
+"""
+
+
+class OmniInputError(Exception):
+    """Bad input from the user; the message alone says what to fix."""
+
+
+class CheckpointFormatError(OmniInputError, ValueError):
+    """A checkpoint folder or file is missing, malformed or does not match the model."""
