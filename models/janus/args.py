@@ -11,8 +11,6 @@ from torchtitan_omni.foundations.llama3 import Llama3Args
 from torchtitan_omni.protocols.model import OmniModelArgs
 from torchtitan_omni.protocols.modules import OmniDecoder, OmniEncoder
 
-from ..common import build_on_meta, check_parallelism, processing_of
-
 
 def deepseek_llm_1_3b() -> Llama3Args:
     """Janus-1.3B's language model: DeepSeek-LLM 1.3B (multi-head attention, no RoPE scaling)."""
@@ -39,13 +37,6 @@ class JanusArgs(OmniModelArgs):
 
     def build_decoders(self) -> dict[str, OmniDecoder]:
         return {"gen_image": GenImageDecoder(self.gen_image, self.llm.dim)}
-
-    def processing(self) -> dict[str, object]:
-        return processing_of(build_on_meta(lambda: {**self.build_encoders(), **self.build_decoders()}))
-
-    def validate_parallelism(self, ulysses_degree: int, expert_parallel_degree: int) -> str | None:
-        return check_parallelism(self.llm.n_heads, self.llm.n_kv_heads, ulysses_degree,
-                                 expert_parallel_degree)
 
 
 FLAVORS = {

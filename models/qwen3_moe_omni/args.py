@@ -9,9 +9,7 @@ from torchtitan_omni.encoders.audio import AudioArgs, AudioEncoder
 from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder
 from torchtitan_omni.foundations.qwen3_moe import Qwen3MoeArgs
 from torchtitan_omni.protocols.model import OmniModelArgs
-from torchtitan_omni.protocols.modules import OmniDecoder, OmniEncoder
-
-from ..common import build_on_meta, check_parallelism, processing_of
+from torchtitan_omni.protocols.modules import OmniEncoder
 
 
 @dataclass
@@ -29,16 +27,6 @@ class Qwen3MoeOmniArgs(OmniModelArgs):
     def build_encoders(self) -> dict[str, OmniEncoder]:
         dim = self.llm.dim
         return {"vision": VisionEncoder(self.vision, dim), "audio": AudioEncoder(self.audio, dim)}
-
-    def build_decoders(self) -> dict[str, OmniDecoder]:
-        return {}
-
-    def processing(self) -> dict[str, object]:
-        return processing_of(build_on_meta(self.build_encoders))
-
-    def validate_parallelism(self, ulysses_degree: int, expert_parallel_degree: int) -> str | None:
-        return check_parallelism(self.llm.n_heads, self.llm.n_kv_heads, ulysses_degree,
-                                 expert_parallel_degree, self.llm.num_experts)
 
 
 FLAVORS = {

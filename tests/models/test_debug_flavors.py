@@ -97,7 +97,7 @@ def test_validate_parallelism_names_the_problem():
     janus = get_train_spec("janus").model_args["1.3B"]
     assert janus.validate_parallelism(16, 1) is None
     assert "no experts" in janus.validate_parallelism(1, 2)
-    assert "query heads" in janus.validate_parallelism(32, 1)
+    assert "attention heads" in janus.validate_parallelism(32, 1)
 
 
 # ----------------------------------------------------------------- FSDP on two ranks
@@ -109,7 +109,7 @@ def _fsdp_worker(rank: int, world_size: int, names: list[str]) -> dict:
     report = {}
     for name in names:
         cfg = OmniConfigManager().parse_args([
-            "--model.name", name, "--model.flavor", "debugmodel",
+            "--model.name", name, "--model.flavor", "debugmodel", "--training.dataset", "omni_default",
             "--activation_checkpoint.mode", "none", "--model.hf_assets_path", "/nonexistent",
         ])
         dims = OmniParallelDims.from_config(cfg.parallelism, world_size)

@@ -7,6 +7,7 @@ import os
 from abc import abstractmethod
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from torchtitan.config import JobConfig
@@ -29,9 +30,9 @@ def tokenizer_vocab_size(hf_assets_path: str) -> int | None:
 class OmniModelArgs(BaseModelArgs):
     """Arguments of an omni model: its foundation, encoders and decoders.
 
-    Subclasses hold the parts' argument dataclasses and implement :meth:`processing` (so the
-    data pipeline can process media before the model exists) and
-    :meth:`validate_parallelism`.
+    Subclasses hold the parts' argument dataclasses, expose the foundation's as ``llm_args``
+    and build their encoders and decoders (:meth:`build_encoders`, :meth:`build_decoders`);
+    the processing configs and the parallelism checks follow from those.
     """
 
     #: debug flavors size the vocabulary to the tokenizer in ``model.hf_assets_path``;
@@ -41,15 +42,46 @@ class OmniModelArgs(BaseModelArgs):
     @property
     @abstractmethod
     def llm_args(self):
-        """The foundation's argument dataclass (has ``vocab_size`` and ``max_seq_len``)."""
+        """The foundation's argument dataclass (``vocab_size``, ``max_seq_len``, ``n_heads``,
+        ``n_kv_heads``; ``num_experts`` for MoE foundations)."""
 
-    @abstractmethod
+    def build_encoders(self) -> dict[str, nn.Module]:
+        """The encoders by name (``OmniEncoder``), at the LLM's width."""
+        return {}
+
+    def build_decoders(self) -> dict[str, nn.Module]:
+        """The decoders by modality (``OmniDecoder``), at the LLM's width."""
+        return {}
+
     def processing(self) -> dict[str, object]:
-        """Processor config per modality (``torchtitan_omni.protocols.processing``)."""
+        """Processor config per modality (``torchtitan_omni.protocols.processing``), read off
+        the encoders and decoders built on the meta device (no memory), so the data pipeline
+        can process media before the model exists."""
+        with torch.device("meta"):
+            parts = {**self.build_encoders(), **self.build_decoders()}
+        out: dict[str, object] = {}
+        for part in parts.values():
+            modalities = getattr(part, "modalities", None)
+            if modalities is not None:
+                for modality in modalities:
+                    out[modality] = part.processing(modality)
+            else:
+                out[part.modality] = part.processing()
+        return out
 
-    @abstractmethod
     def validate_parallelism(self, ulysses_degree: int, expert_parallel_degree: int) -> str | None:
-        """A one-line problem with these degrees for this model, or None."""
+        """A one-line problem with these degrees for this model's LLM, or None."""
+        from torchtitan_omni.distributed.checks import expert_problem, ulysses_problem
+
+        llm = self.llm_args
+        problem = ulysses_problem(llm.n_heads, llm.n_kv_heads, ulysses_degree, "the LLM")
+        if problem:
+            return problem
+        num_experts = getattr(llm, "num_experts", None)
+        if expert_parallel_degree > 1 and not num_experts:
+            return (f"parallelism.expert_parallel_degree ({expert_parallel_degree}) > 1 but "
+                    "this model's LLM has no experts")
+        return expert_problem(num_experts or 0, expert_parallel_degree, "each MoE layer of the LLM")
 
     def update_from_config(self, job_config: JobConfig, **kwargs) -> None:
         """Fit the sequence length and (debug flavors) the vocabulary to the job."""
