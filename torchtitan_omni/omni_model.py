@@ -122,10 +122,8 @@ class OmniModel(ModelProtocol):
             else:
                 # The target tokenizer (e.g. a VQ, an FSDP unit) runs here too, so every rank
                 # records the same forward order and FSDP's backward prefetch stays in step.
-                dummy_media = getattr(decoder, "dummy_media", None)
-                if dummy_media is not None:
-                    with torch.no_grad():
-                        decoder.encode_targets(dummy_media(h.device))
+                with torch.no_grad():
+                    decoder.encode_targets(decoder.dummy_media(h.device))
                 dummy = torch.zeros(1, dtype=torch.long, device=h.device)
                 h = h + 0.0 * decoder.lm_embed(dummy).sum()
         return h, targets

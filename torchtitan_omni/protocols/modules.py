@@ -153,6 +153,11 @@ class OmniDecoder(nn.Module, ABC):
         """The processor config for this decoder's targets."""
 
     @abstractmethod
+    def dummy_media(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The smallest valid target (one item), for ranks without targets: the omni model runs
+        ``encode_targets`` on it so every rank issues the same collectives."""
+
+    @abstractmethod
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialize parameters and buffers in place."""
 
