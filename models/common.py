@@ -29,8 +29,8 @@ def encoder_part(name: str, encoder_cls) -> PartLayout:
 
 def decoder_parts(name: str, decoder_cls) -> tuple[PartLayout, ...]:
     """A decoder's layouts: its frozen sub-modules first, each a replicated part of its own
-    (they run only on ranks whose batch has targets, so a sharded one would hang), then the
-    decoder with its FSDP units."""
+    (frozen and small: sharding them would only add all-gathers), then the decoder with its
+    FSDP units."""
     root = f"decoders.{name}"
     frozen = tuple(PartLayout(f"{root}.{unit}", mesh="none")
                    for unit in getattr(decoder_cls, "frozen_units", ()))

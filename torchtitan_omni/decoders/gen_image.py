@@ -13,9 +13,10 @@ Janus-Pro's (VQ-16, code embedding of dimension 8, aligner and head of the LLM w
 - ``lm_generate(ids [n, h * w])``: VQ decode to images in ``[-1, 1]``.
 
 Parallel plan: ``aligner`` and ``head`` are FSDP units. ``vq`` is frozen (``requires_grad``
-False, always) and runs only on ranks whose batch holds generation targets, so it must stay
-out of FSDP (replicated, e.g. ``fully_shard(..., ignored_params=...)``): a sharded VQ would
-all-gather on some ranks only and hang. The decoder holds no parameters of its own.
+False, always) and kept replicated in float32 (a part of its own with mesh "none"): it is
+small, frozen, and takes float32 pixels. The omni model runs it on every rank, on
+:meth:`dummy_media` when a batch has no targets, so ranks stay in step. The decoder holds no
+parameters of its own.
 """
 
 from __future__ import annotations

@@ -105,9 +105,9 @@ def apply_ulysses(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDi
 # ----------------------------------------------------------------- FSDP
 def _part_mesh_choice(part: PartLayout, module: nn.Module, job_config: JobConfig) -> str:
     override = job_config.parallelism.encoder_fsdp_mesh
-    # A wholly frozen part keeps the plan's mesh: the spec may have replicated it on purpose
-    # (e.g. a VQ tokenizer that runs only on ranks whose batch has targets, where a sharded
-    # one would wait for an all-gather that the other ranks never issue).
+    # A wholly frozen part keeps the plan's mesh: the spec replicated it on purpose (e.g. a
+    # frozen VQ tokenizer: sharding it would add an all-gather per step and save no optimizer
+    # state).
     frozen = not any(p.requires_grad for p in module.parameters())
     if override != "plan" and not is_llm_part(part) and not frozen:
         return override
