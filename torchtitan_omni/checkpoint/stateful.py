@@ -11,8 +11,9 @@ all old entries and the loader continues the stream through::
 
     loader.load_state_dict_resharded(states: list[dict]) -> None
 
-(``states[r]`` is old data rank ``r``'s state); a loader without that method cannot be
-re-split, and resuming fails with a message that names the way out
+(``states[r]`` is old data rank ``r``'s state; ``OmniDataLoader`` implements it, see
+``torchtitan_omni.data.resplit``); a loader without that method cannot be re-split, and
+resuming fails with a message that names the way out
 (``--checkpoint.exclude_from_loading dataloader`` restarts the data stream).
 
 RNG: torch (CPU and the current CUDA device), Python ``random`` and NumPy, per global rank.

@@ -115,8 +115,11 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
         if not eq:
             raise ConfigError(f"omni.loss_weights entry {entry!r} is not 'name=number'")
     for entry in cfg.weights.sources:
-        if "=" not in entry:
+        part, eq, path = entry.partition("=")
+        if not eq or not part.strip() or not path.strip():
             raise ConfigError(f"weights.sources entry {entry!r} is not 'part=path'")
+        if not os.path.exists(path.strip()):
+            raise ConfigError(f"weights.sources {part.strip()}: {path.strip()} does not exist")
     _validate_activation_checkpoint(cfg)
     _validate_model(cfg, degrees)
 
@@ -137,6 +140,29 @@ def _validate_activation_checkpoint(cfg: JobConfig) -> None:
             raise ConfigError(
                 "activation_checkpoint.selective_ac_option must be 'op' or a whole number >= 1 "
                 f"(checkpoint every N-th layer), got {ac.selective_ac_option!r}"
+            )
+
+
+def _validate_data(cfg: JobConfig, spec) -> None:
+    """The [data] values, and that a user dataset exists (the bundled one is built on use),
+    for specs that read data through torchtitan-omni's loader."""
+    from torchtitan_omni.data.default_dataset import DEFAULT_NAME
+    from torchtitan_omni.data.loader import build_omni_dataloader, check_data_config
+
+    if spec.build_dataloader_fn is not build_omni_dataloader:
+        return
+
+    try:
+        check_data_config(cfg.data, cfg.training.seq_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    t = cfg.training
+    if t.dataset != DEFAULT_NAME:
+        path = t.dataset_path or t.dataset
+        if not path or not os.path.exists(path):
+            raise ConfigError(
+                f"training.dataset_path {path!r} does not exist (training.dataset="
+                f"{t.dataset!r}; use '{DEFAULT_NAME}' for the bundled dataset)"
             )
 
 
@@ -161,6 +187,7 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
             f"model.flavor {cfg.model.flavor!r} is not a flavor of {cfg.model.name} "
             f"(flavors: {', '.join(spec.model_args)})"
         )
+    _validate_data(cfg, spec)
     args = spec.model_args[cfg.model.flavor]
     check = getattr(args, "validate_parallelism", None)
     if check is not None:

@@ -33,7 +33,7 @@ class Document:
     pad_positions: dict[str, np.ndarray] = field(default_factory=dict)
     #: positions of the ``<gen_image_start>`` tokens, one per generated image
     gen_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    #: (row key, chunk) identifying the document for resumption
+    #: (epoch, q, chunk, shard index, shard count) identifying the document for resumption
     key: tuple = ()
 
     def __len__(self) -> int:

@@ -4,15 +4,19 @@ The loader yields ``(batch, labels)`` per ``torchtitan_omni.protocols.batch``; i
 ``ParallelAwareDataloader`` (Stateful), so its state, and through it every worker's position
 and buffered documents, goes into the checkpoint. ``loader.stats()`` returns the skipped-sample
 counters per reason (``torchtitan_omni.data.bad_samples.REASONS``), summed over workers.
+``loader.load_state_dict_resharded(states)`` continues the stream of a checkpoint written by
+another number of data-parallel ranks (or loader workers), see ``torchtitan_omni.data.resplit``.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import pickle
 from dataclasses import asdict
 from typing import Any
 
+from torchdata.stateful_dataloader.incremental_state import _DATASET_STATE
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
@@ -39,6 +43,38 @@ class OmniDataLoader(ParallelAwareDataloader):
             self._skipped[int(info["shard"])] = dict(info["skipped"])
             yield batch, labels
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """This rank's own state (same data ranks and loader workers as when it was saved)."""
+        entry = state_dict.get(self._rank_id) if state_dict else None
+        if entry is not None:
+            inner = pickle.loads(entry) if isinstance(entry, bytes) else entry
+            workers = len(inner["_snapshot"]["_worker_snapshots"]) if "_snapshot" in inner else 0
+            if workers != self.num_workers:
+                raise ValueError(
+                    f"the dataloader state was saved with {workers} loader workers per data rank, "
+                    f"this run has training.dataloader.num_workers = {self.num_workers}: keep the "
+                    "number of loader workers when the data-parallel size stays the same, or "
+                    "pass --checkpoint.exclude_from_loading dataloader to restart the data stream"
+                )
+        super().load_state_dict(state_dict)
+
+    def load_state_dict_resharded(self, states: list[dict]) -> None:
+        """Continue the stream that data ranks ``0..len(states)-1`` were reading (``states[r]`` is
+        old rank ``r``'s :meth:`state_dict`) as this loader's (dp_rank, dp_world_size), with any
+        number of loader workers on either side: every row of the oldest epoch that no old
+        shard read and every buffered document is dealt out once over the new shards, then
+        the stream goes on with the next epoch (``torchtitan_omni.data.resplit``)."""
+        shard_states = old_shard_states(states)
+        self.dataset.load_resplit(shard_states)
+        # start afresh from the dataset (and its plan), not from a StatefulDataLoader state
+        self._iterator = None
+        self._initial_iter_for_state_dict = False
+        self.next_iter_state = None
+        self._skipped = {}
+        if self.dp_rank == 0:  # the old counters were moved onto new shard 0
+            counts = self.dataset._resplit["skipped"]["counts"]
+            self._skipped[0] = {r: int(counts.get(r, 0)) for r in REASONS}
+
     def stats(self) -> dict[str, int]:
         """Samples skipped so far per reason, over this rank's workers (as of their last batch)."""
         out = dict.fromkeys(REASONS, 0)
@@ -46,6 +82,47 @@ class OmniDataLoader(ParallelAwareDataloader):
             for reason, n in counts.items():
                 out[reason] = out.get(reason, 0) + int(n)
         return out
+
+
+def old_shard_states(states: list[dict]) -> list[dict]:
+    """The dataset states of the old shards (rank ``r``, worker ``w`` of ``W``: shard
+    ``r * W + w``) in TorchTitan loader states (``{"dp_rank_<r>": pickled StatefulDataLoader
+    state, "world_size": D}``), without or with loader workers."""
+    if not states:
+        raise ValueError("no dataloader state to re-split")
+    out: list[list[dict]] = []
+    for r, st in enumerate(states):
+        key = f"dp_rank_{r}"
+        if not isinstance(st, dict) or key not in st:
+            raise ValueError(f"the dataloader state of old data rank {r} has no {key!r} entry "
+                             "(not written by torchtitan-omni's loader)")
+        if int(st.get("world_size", len(states))) != len(states):
+            raise ValueError(f"old data rank {r}'s dataloader state says {st['world_size']} data "
+                             f"ranks, the checkpoint has {len(states)}")
+        inner = pickle.loads(st[key]) if isinstance(st[key], bytes) else st[key]
+        if "_snapshot" in inner:  # num_workers > 0
+            if int(inner.get("_steps_since_snapshot", 0)):
+                raise ValueError(
+                    f"old data rank {r}'s dataloader state is {inner['_steps_since_snapshot']} "
+                    "batch(es) past its last worker snapshot (snapshot_every_n_steps > 1): the "
+                    "rows those batches took are unknown, so it cannot be re-split; keep the "
+                    "data-parallel size, or pass --checkpoint.exclude_from_loading dataloader"
+                )
+            workers = inner["_snapshot"]["_worker_snapshots"]
+            shards = [workers[f"worker_{w}"].get(_DATASET_STATE) for w in range(len(workers))]
+        elif "_num_yielded" in inner:  # num_workers == 0
+            shards = [inner.get(_DATASET_STATE)]
+        else:
+            raise ValueError(f"old data rank {r}'s dataloader state has an unknown format "
+                             f"(keys {sorted(inner)[:8]})")
+        if any(d is None for d in shards):
+            raise ValueError(f"old data rank {r}'s dataloader state holds no dataset position")
+        out.append(shards)
+    counts = {len(w) for w in out}
+    if len(counts) != 1:
+        raise ValueError(
+            f"old data ranks ran different numbers of loader workers ({sorted(counts)})")
+    return [d for shards in out for d in shards]
 
 
 def dataset_root(job_config) -> str:
@@ -73,7 +150,8 @@ def model_processing(job_config) -> dict[str, Any]:
     return {m: c for m, c in configs.items() if m in job_config.data.modalities}
 
 
-def _check_data_config(data, seq_len: int) -> None:
+def check_data_config(data, seq_len: int) -> None:
+    """Raise ValueError naming the first impossible [data] value (also run at start-up)."""
     unknown = set(data.modalities) - set(MODALITIES)
     if unknown:
         raise ValueError(f"data.modalities has unknown {sorted(unknown)} (known: {', '.join(MODALITIES)})")
@@ -103,7 +181,7 @@ def build_omni_dataloader(
     data = job_config.data
     seq_len = seq_len or job_config.training.seq_len
     rows = local_batch_size or job_config.training.local_batch_size
-    _check_data_config(data, seq_len)
+    check_data_config(data, seq_len)
     root = dataset_root(job_config)
     if tokenizer is None or not hasattr(tokenizer, "special"):
         tokenizer = build_omni_tokenizer(job_config)

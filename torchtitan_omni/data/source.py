@@ -96,6 +96,7 @@ class RowSource:
         self.shuffle = shuffle
         self._tables = None
         self._offsets: list[int] = []
+        self._order_cache: tuple[int, np.ndarray] | None = None
 
     # ----------------------------------------------------------------- map-style
     def _ensure_loaded(self) -> None:
@@ -115,10 +116,15 @@ class RowSource:
         return self._tables[f][int(local)], Source(self.files[f], int(local))
 
     def _order(self, epoch: int) -> np.ndarray:
+        if self._order_cache is not None and self._order_cache[0] == epoch:
+            return self._order_cache[1]
         n = len(self)
         if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, epoch]).permutation(n)
+            order = np.arange(n)
+        else:
+            order = np.random.default_rng([self.seed, epoch]).permutation(n)
+        self._order_cache = (epoch, order)
+        return order
 
     # ----------------------------------------------------------------- both
     def shard_rows(self, shard: ShardSpec, epoch: int, start: int = 0) -> Iterator[tuple[int, dict, Source]]:
@@ -132,7 +138,8 @@ class RowSource:
             yield q, row, src
 
     def shard_row(self, shard: ShardSpec, epoch: int, q: int) -> tuple[dict, Source]:
-        """Row ``q`` of the shard in ``epoch`` (map-style random access)."""
+        """Row ``q`` of the shard in ``epoch``, i.e. position ``q * count + index`` of the
+        epoch's order (map-style random access)."""
         order = self._order(epoch)
         return self.row(int(order[q * shard.count + shard.index]))
 
