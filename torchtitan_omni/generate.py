@@ -32,7 +32,7 @@ import torch
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import init_logger, logger
 
-from torchtitan_omni.config.manager import ConfigError, OmniConfigManager
+from torchtitan_omni.config.manager import ConfigError, parse_job_config_or_exit
 from torchtitan_omni.data.bad_samples import Source
 from torchtitan_omni.data.collate import collate
 from torchtitan_omni.data.document import Document, DocumentEncoder
@@ -187,11 +187,7 @@ def save_png(image: torch.Tensor, path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m torchtitan_omni.generate``."""
     init_logger()
-    try:
-        cfg = OmniConfigManager().parse_args(argv)
-    except ConfigError as e:
-        print(f"torchtitan-omni: config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cfg = parse_job_config_or_exit(argv)
     g = cfg.generate
     if not g.prompt:
         print("torchtitan-omni: config error: --generate.prompt is empty", file=sys.stderr)

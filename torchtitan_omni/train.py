@@ -32,7 +32,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
 from torchtitan_omni.checkpoint import setup_checkpointing
-from torchtitan_omni.config.manager import ConfigError, OmniConfigManager
+from torchtitan_omni.config.manager import ConfigError, parse_job_config_or_exit
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.sequence import shard_sequence
 from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_
@@ -195,11 +195,7 @@ class OmniTrainer(Trainer):
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m torchtitan_omni.train``."""
     init_logger()
-    try:
-        config = OmniConfigManager().parse_args(argv)
-    except ConfigError as e:
-        print(f"torchtitan-omni: config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    config = parse_job_config_or_exit(argv)
     trainer: OmniTrainer | None = None
     try:
         trainer = OmniTrainer(config)

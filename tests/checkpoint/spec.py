@@ -51,16 +51,6 @@ class CkptArgs(OmniModelArgs):
     def llm_args(self):
         return self.llm
 
-    def processing(self):
-        return {}
-
-    def validate_parallelism(self, ulysses_degree, expert_parallel_degree):
-        if self.llm.n_heads % ulysses_degree:
-            return f"ulysses_degree {ulysses_degree} must divide {self.llm.n_heads} heads"
-        if expert_parallel_degree > 1 and (not self.moe or self.llm.num_experts % expert_parallel_degree):
-            return f"expert_parallel_degree {expert_parallel_degree} does not fit this model"
-        return None
-
     def update_from_config(self, job_config, **kwargs):
         self.llm.max_seq_len = max(self.llm.max_seq_len, job_config.training.seq_len)
 

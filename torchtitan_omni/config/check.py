@@ -10,20 +10,15 @@ from __future__ import annotations
 import sys
 
 import torchtitan_omni  # noqa: F401
-from torchtitan_omni.config.manager import ConfigError, OmniConfigManager
+from torchtitan_omni.config.manager import parse_job_config_or_exit
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("--help", "-h") for a in args):
         return 0  # the trainer prints the help
-    try:
-        OmniConfigManager().parse_args(args)
-    except ConfigError as e:
-        print(f"torchtitan-omni: config error: {e}", file=sys.stderr)
-        return 2
+    parse_job_config_or_exit(args)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

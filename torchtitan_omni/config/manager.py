@@ -206,3 +206,13 @@ def _omni_job_config() -> type:
 def parse_job_config(args: list[str] | None = None) -> JobConfig:
     """Parse and validate a job config from TOML + CLI arguments."""
     return OmniConfigManager().parse_args(args)
+
+
+def parse_job_config_or_exit(args: list[str] | None = None) -> JobConfig:
+    """:func:`parse_job_config` for entry points: a ``ConfigError`` is printed on one line and
+    the process exits with status 2."""
+    try:
+        return parse_job_config(args)
+    except ConfigError as e:
+        print(f"torchtitan-omni: config error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -13,8 +13,6 @@ Tensor names are relative to the foundation (e.g. ``layers.0.attention.wq.weight
 
 from __future__ import annotations
 
-from torchtitan_omni.foundations.llama3 import Llama3Args
-from torchtitan_omni.foundations.qwen3_moe import Qwen3MoeArgs
 from torchtitan_omni.protocols.hf import HFAdapter, HFSource
 
 
@@ -35,37 +33,47 @@ def _attention_sources(ours: str, hf: str, bias: bool, qk_norm: bool) -> dict[st
     return out
 
 
-def _common_sources(n_layers: int) -> dict[str, HFSource]:
-    """Embedding, final norm, head, and each layer's two norms (same in both families)."""
-    out = {
-        "tok_embeddings.weight": _one("model.embed_tokens.weight"),
-        "norm.weight": _one("model.norm.weight"),
-        "output.weight": _one("lm_head.weight"),
-    }
-    for i in range(n_layers):
-        out[f"layers.{i}.attention_norm.weight"] = _one(f"model.layers.{i}.input_layernorm.weight")
-        out[f"layers.{i}.ffn_norm.weight"] = _one(f"model.layers.{i}.post_attention_layernorm.weight")
-    return out
+class _DecoderLMHFAdapter(HFAdapter):
+    """``DecoderLM`` <-> a Hugging Face ``*ForCausalLM``: embedding, final norm, head, and per
+    layer the two norms and the attention; subclasses add each layer's feed-forward."""
 
+    #: whether the attention has per-head q/k norms
+    qk_norm = False
 
-class Llama3HFAdapter(HFAdapter):
-    """``Llama3`` <-> ``LlamaForCausalLM``."""
-
-    def __init__(self, args: Llama3Args) -> None:
+    def __init__(self, args) -> None:
         self.args = args
+
+    def layer_ffn_sources(self, ours: str, hf: str) -> dict[str, HFSource]:
+        """The feed-forward of the layer at ``ours`` <- HF ``mlp`` under ``hf`` (prefixes end
+        in '.')."""
+        raise NotImplementedError
 
     def sources(self) -> dict[str, HFSource]:
         a = self.args
-        out = _common_sources(a.n_layers)
+        out = {
+            "tok_embeddings.weight": _one("model.embed_tokens.weight"),
+            "norm.weight": _one("model.norm.weight"),
+            "output.weight": _one("lm_head.weight"),
+        }
         for i in range(a.n_layers):
             ours, hf = f"layers.{i}.", f"model.layers.{i}."
-            out.update(_attention_sources(f"{ours}attention.", f"{hf}self_attn.", a.attention_bias, False))
-            for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                out[f"{ours}feed_forward.{mine}.weight"] = _one(f"{hf}mlp.{theirs}.weight")
+            out[f"{ours}attention_norm.weight"] = _one(f"{hf}input_layernorm.weight")
+            out[f"{ours}ffn_norm.weight"] = _one(f"{hf}post_attention_layernorm.weight")
+            out.update(_attention_sources(f"{ours}attention.", f"{hf}self_attn.", a.attention_bias,
+                                          self.qk_norm))
+            out.update(self.layer_ffn_sources(ours, hf))
         return out
 
     def ignored_hf_keys(self) -> tuple[str, ...]:
         return ("model.layers.*.self_attn.rotary_emb.inv_freq",)
+
+
+class Llama3HFAdapter(_DecoderLMHFAdapter):
+    """``Llama3`` <-> ``LlamaForCausalLM``."""
+
+    def layer_ffn_sources(self, ours: str, hf: str) -> dict[str, HFSource]:
+        return {f"{ours}feed_forward.{mine}.weight": _one(f"{hf}mlp.{theirs}.weight")
+                for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
 
     def hf_config(self) -> dict:
         a = self.args
@@ -101,26 +109,17 @@ class Llama3HFAdapter(HFAdapter):
         }
 
 
-class Qwen3MoeHFAdapter(HFAdapter):
+class Qwen3MoeHFAdapter(_DecoderLMHFAdapter):
     """``Qwen3Moe`` <-> ``Qwen3MoeForCausalLM`` (per-expert checkpoint keys)."""
 
-    def __init__(self, args: Qwen3MoeArgs) -> None:
-        self.args = args
+    qk_norm = True
 
-    def sources(self) -> dict[str, HFSource]:
-        a = self.args
-        out = _common_sources(a.n_layers)
-        for i in range(a.n_layers):
-            ours, hf = f"layers.{i}.", f"model.layers.{i}."
-            out.update(_attention_sources(f"{ours}attention.", f"{hf}self_attn.", a.attention_bias, True))
-            out[f"{ours}moe.gate.weight"] = _one(f"{hf}mlp.gate.weight")
-            for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                keys = tuple(f"{hf}mlp.experts.{e}.{theirs}.weight" for e in range(a.num_experts))
-                out[f"{ours}moe.experts.{mine}"] = HFSource(keys=keys, stack_dim=0)
+    def layer_ffn_sources(self, ours: str, hf: str) -> dict[str, HFSource]:
+        out = {f"{ours}moe.gate.weight": _one(f"{hf}mlp.gate.weight")}
+        for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            keys = tuple(f"{hf}mlp.experts.{e}.{theirs}.weight" for e in range(self.args.num_experts))
+            out[f"{ours}moe.experts.{mine}"] = HFSource(keys=keys, stack_dim=0)
         return out
-
-    def ignored_hf_keys(self) -> tuple[str, ...]:
-        return ("model.layers.*.self_attn.rotary_emb.inv_freq",)
 
     def hf_config(self) -> dict:
         a = self.args
