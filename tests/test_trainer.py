@@ -74,6 +74,11 @@ def test_impossible_layout():
     assert "ulysses" in line
 
 
+def test_llm_layers_out_of_range():
+    line = _one_error_line(_check(["--omni.llm_layers", "99"]))
+    assert "omni.llm_layers (99)" in line
+
+
 def test_missing_weights_source_and_bad_data_value():
     line = _one_error_line(_check(["--weights.sources", "llm=/no/such/ckpt"]))
     assert "weights.sources" in line and "/no/such/ckpt" in line

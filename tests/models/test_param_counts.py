@@ -164,3 +164,31 @@ def test_whole_model_count_is_what_torchtitan_reports(spec_name):
     nparams, flops_per_token = args.get_nparams_and_flops(model, 8192)
     assert nparams == parts == _count(model)
     assert flops_per_token > 6 * 1e9  # every real flavor has more than 1B active parameters
+
+
+def test_llm_layers_cuts_the_foundation_and_restores_it():
+    """``omni.llm_layers`` keeps the first N blocks of the real layer shape; a later job
+    without it gets the flavor's full depth back (the registered args are shared)."""
+    from types import SimpleNamespace
+
+    spec = get_train_spec("qwen3_moe_omni")
+    args = spec.model_args["30B-A3B"]
+
+    def job(layers):
+        return SimpleNamespace(
+            training=SimpleNamespace(seq_len=8192), omni=SimpleNamespace(llm_layers=layers),
+            model=SimpleNamespace(hf_assets_path=""),
+        )
+
+    try:
+        args.update_from_config(job(12))
+        with torch.device("meta"):
+            cut = spec.model_cls(args)
+        assert _count(cut.llm) == qwen3_moe_count(dim=2048, layers=12, heads=32, kv_heads=4,
+                                                  head_dim=128, experts=128, expert_ffn=768,
+                                                  vocab=151936)
+        with pytest.raises(ValueError, match="omni.llm_layers"):
+            args.update_from_config(job(49))
+    finally:
+        args.update_from_config(job(0))
+    assert args.llm_args.n_layers == 48

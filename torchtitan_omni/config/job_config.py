@@ -59,6 +59,11 @@ class Omni:
     init_seed: int = 0
     """Seed of the layout-invariant random initialization of weights that are not loaded."""
 
+    llm_layers: int = 0
+    """Keep only the foundation's first N blocks (0: the flavor's count). For memory and speed
+    probes at a real layer shape on fewer GPUs (e.g. Qwen3-30B-A3B cut to 12 layers on 4).
+    Weights of a full model do not load into a cut one (their extra blocks are reported)."""
+
 
 @dataclass
 class Data:

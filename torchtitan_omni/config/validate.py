@@ -189,6 +189,13 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
         )
     _validate_data(cfg, spec)
     args = spec.model_args[cfg.model.flavor]
+    from torchtitan_omni.protocols.model import llm_layers_problem
+
+    llm_args = getattr(args, "llm_args", None)
+    if cfg.omni.llm_layers and llm_args is not None:
+        problem = llm_layers_problem(cfg.omni.llm_layers, llm_args)
+        if problem:
+            raise ConfigError(problem)
     check = getattr(args, "validate_parallelism", None)
     if check is not None:
         problem = check(

@@ -87,6 +87,9 @@ class OmniModelArgs(BaseModelArgs):
         """Fit the sequence length and (debug flavors) the vocabulary to the job."""
         llm = self.llm_args
         llm.max_seq_len = max(llm.max_seq_len, job_config.training.seq_len)
+        problem = apply_llm_layers(llm, getattr(getattr(job_config, "omni", None), "llm_layers", 0))
+        if problem:
+            raise ValueError(problem)
         vocab = tokenizer_vocab_size(job_config.model.hf_assets_path)
         if vocab is None:
             return
@@ -103,3 +106,28 @@ class OmniModelArgs(BaseModelArgs):
         from torchtitan_omni.flops import nparams_and_flops_per_token
 
         return nparams_and_flops_per_token(self, model, seq_len)
+
+
+def flavor_layers(llm) -> int:
+    """The foundation's block count as its flavor declares it (before ``omni.llm_layers``)."""
+    return getattr(llm, "_flavor_n_layers", llm.n_layers)
+
+
+def llm_layers_problem(keep: int, llm) -> str | None:
+    """A one-line problem with ``omni.llm_layers = keep`` for this foundation, or None."""
+    full = flavor_layers(llm)
+    if keep < 0 or keep > full:
+        return f"omni.llm_layers ({keep}) must be between 1 and the flavor's {full} layers (0 keeps all)"
+    return None
+
+
+def apply_llm_layers(llm, keep: int) -> str | None:
+    """Cut the foundation to its first ``keep`` blocks (0: the flavor's count). The flavor's
+    count is remembered because TorchTitan updates the registered (shared) args in place."""
+    problem = llm_layers_problem(keep, llm)
+    if problem:
+        return problem
+    full = flavor_layers(llm)
+    llm._flavor_n_layers = full
+    llm.n_layers = keep or full
+    return None
