@@ -20,6 +20,7 @@ Results go to a markdown table (with the exact command of each point) and a JSON
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -47,9 +48,12 @@ class Point:
     warmup: int = 3
     estimate_s: int = 90  # for --deadline
     stock: bool = False  # stock TorchTitan (torchtitan.train, Llama-3), else run_train.sh
+    text_only: bool = False  # the bundled plain text instead of long omni documents
     env: dict[str, str] = field(default_factory=dict)
 
     def dataset(self) -> str:
+        if self.stock or self.text_only:
+            return STOCK_TEXT
         # per config: media token counts (and so what fits) depend on the model's processors
         stem = os.path.splitext(os.path.basename(self.config))[0]
         return f"data/long_context/{stem}_{self.seq_len // 1024}k"
@@ -62,7 +66,7 @@ class Point:
                     "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank",
                     "--tee", "3", "-m", "torchtitan.train", "--model.name", "llama3",
                     "--model.flavor", self.config, "--model.hf_assets_path", "assets/tokenizer",
-                    "--training.dataset", "c4_test", "--training.dataset_path", STOCK_TEXT,
+                    "--training.dataset", "c4_test", "--training.dataset_path", self.dataset(),
                     "--job.dump_folder", f"outputs/bench_{self.name}", *common, *self.args]
         return ["./run_train.sh", "--training.dataset", "long_context", "--training.dataset_path",
                 self.dataset(), "--job.dump_folder", f"outputs/bench_{self.name}",
@@ -108,6 +112,8 @@ PLANS: dict[str, list[Point]] = {
         Point("omni_8B_64k_sp4_full_ac", LLAMA8B, 4, 65536, LLAMA_DATA + FULL + _sp(4),
               steps=6, warmup=2, estimate_s=90),
         Point("omni_8B_16k_sp2", LLAMA8B, 4, 16384, LLAMA_DATA + SEL + _sp(2), steps=8, estimate_s=70),
+        # the omni model on the stock run's text: the LLM path alone (every part skipped)
+        Point("omni_8B_8k_text_only", LLAMA8B, 4, 8192, SEL, steps=12, text_only=True, estimate_s=70),
     ],
     # Qwen3-MoE#Omni at the 30B-A3B layer shape cut to 12 layers (as the VeOmni anchor on
     # 4x H200), EP4 and EP2 x SP2, full activation checkpointing.
@@ -139,6 +145,8 @@ PLANS: dict[str, list[Point]] = {
         Point("smoke_moe_ep2", "train_configs/qwen3_moe_omni_debug.toml", 2, 1024,
               ("--omni.llm_layers", "1") + LLAMA_DATA + _ep(2),
               steps=4, warmup=1),
+        Point("smoke_llama_text_only", "train_configs/llama_omni_debug.toml", 2, 1024, (),
+              steps=4, warmup=1, text_only=True),
     ],
 }
 
@@ -205,7 +213,7 @@ def prepare_data(points: list[Point]) -> None:
     exists), bundled text for the stock ones."""
     builds = {}
     for point in points:
-        if not point.stock and not os.path.exists(os.path.join(REPO, point.dataset(), "train.jsonl")):
+        if point.dataset() != STOCK_TEXT and not os.path.exists(os.path.join(REPO, point.dataset(), "train.jsonl")):
             builds.setdefault(point.dataset(), [
                 sys.executable, "scripts/build_long_context_dataset.py", "--config", point.config,
                 "--seq-len", str(point.seq_len), "--out", point.dataset(),
@@ -216,7 +224,10 @@ def prepare_data(points: list[Point]) -> None:
     procs = [subprocess.Popen(c, cwd=REPO) for c in commands[1:]]
     if any(p.wait() for p in procs):
         raise SystemExit("building a long-context dataset failed (see above)")
-    if any(p.stock for p in points):
+    if any(p.dataset() == STOCK_TEXT for p in points):
+        if not commands:  # the bundled dataset itself
+            subprocess.run([sys.executable, "-c", "from torchtitan_omni.data.default_dataset import "
+                            "ensure_default_dataset as e; e(tokenizer_dir='assets/tokenizer')"], cwd=REPO, check=True)
         os.makedirs(os.path.join(REPO, STOCK_TEXT), exist_ok=True)
         src = os.path.join(REPO, "data/omni_default/train-text.jsonl")
         with open(src) as f, open(os.path.join(REPO, STOCK_TEXT, "train.jsonl"), "w") as g:
@@ -264,10 +275,13 @@ def main() -> None:
     p.add_argument("--out", required=True, help="markdown table (a .json file goes beside it)")
     p.add_argument("--logs", default="", help="folder for each point's full log")
     p.add_argument("--deadline", type=float, default=0, help="seconds; skip points that would not fit")
+    p.add_argument("--extra", default="", help="arguments appended to every point (e.g. profiling)")
     args = p.parse_args()
 
     start = time.monotonic()
     points = [pt for pt in PLANS[args.plan] if not args.only or pt.name in args.only.split(",")]
+    if args.extra:
+        points = [dataclasses.replace(pt, args=pt.args + tuple(shlex.split(args.extra))) for pt in points]
     prepare_data(points)
     rows = []
     for point in points:

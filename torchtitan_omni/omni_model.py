@@ -13,6 +13,7 @@ encoder still gets correct (zero) gradient contributions from the rank without m
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +87,13 @@ class OmniModel(ModelProtocol):
         """Names of the summed losses ``forward`` returns."""
         return (TEXT_LOSS,) + tuple(self.decoders)
 
+    def media_present(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """1/0 per modality of :attr:`modalities`: does this (local) batch carry it?"""
+        return torch.tensor(
+            [int(bool(B.media(batch, m)) and B.embed_index_key(m) in batch) for m in self.modalities],
+            dtype=torch.long,
+        )
+
     def count_targets(
         self, batch: dict[str, torch.Tensor], labels: torch.Tensor
     ) -> dict[str, torch.Tensor]:
@@ -97,12 +105,13 @@ class OmniModel(ModelProtocol):
         return counts
 
     # ----------------------------------------------------------------- forward
-    def embed(self, tokens: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[
-        torch.Tensor, dict[str, torch.Tensor]
-    ]:
+    def embed(self, tokens: torch.Tensor, batch: dict[str, torch.Tensor],
+              absent: Collection[str] = ()) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Input embeddings with media scattered in, and the decoders' target ids."""
         h = self.llm.tok_embeddings(tokens)
         for modality, enc_name in self.encoder_of.items():
+            if modality in absent:
+                continue
             encoder = self.encoders[enc_name]
             media = B.media(batch, modality)
             index = batch.get(B.embed_index_key(modality))
@@ -112,6 +121,8 @@ class OmniModel(ModelProtocol):
                 h = h + 0.0 * encoder(encoder.dummy_media(modality, h.device), modality).sum()
         targets: dict[str, torch.Tensor] = {}
         for name, decoder in self.decoders.items():
+            if name in absent:
+                continue
             media = B.media(batch, name)
             index = batch.get(B.embed_index_key(name))
             if media and index is not None:
@@ -133,10 +144,17 @@ class OmniModel(ModelProtocol):
         tokens: torch.Tensor,
         meta: AttentionMeta,
         labels: torch.Tensor,
+        absent: Collection[str] = (),
         **batch: torch.Tensor,
     ) -> OmniOutput:
-        """Summed losses of every head for one micro-batch (see module docstring)."""
-        h, targets = self.embed(tokens, batch)
+        """Summed losses of every head for one micro-batch (see module docstring).
+
+        ``absent``: modalities that no rank has in this micro-batch (the trainer agrees on
+        them over all ranks): their encoders and decoders are skipped instead of run on dummy
+        media, and their parameters get no gradient this step. Without it, a rank lacking a
+        modality runs the dummy so that every rank runs every FSDP unit.
+        """
+        h, targets = self.embed(tokens, batch, absent)
         hidden = self.llm(h, meta)
         out = OmniOutput()
         text_mask = labels != B.IGNORE_INDEX
@@ -146,7 +164,9 @@ class OmniModel(ModelProtocol):
         )
         for name, decoder in self.decoders.items():
             index = batch.get(B.target_index_key(name))
-            if name in targets and index is not None:
+            if name in absent:
+                out.losses[name] = hidden.new_zeros((), dtype=torch.float32)
+            elif name in targets and index is not None:
                 mask = index >= 0
                 out.losses[name] = decoder.lm_head(hidden[mask], targets[name][index[mask]])
             else:

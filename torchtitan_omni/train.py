@@ -102,12 +102,14 @@ class OmniTrainer(Trainer):
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor,
         global_counts: dict[str, torch.Tensor], aux_contributions: int,
+        absent: frozenset[str] = frozenset(),
     ) -> dict[str, torch.Tensor]:
-        """Forward and backward of one micro-batch; returns each loss part (detached)."""
+        """Forward and backward of one micro-batch; returns each loss part (detached).
+        ``absent``: modalities no rank has in this micro-batch (their parts are skipped)."""
         model = self.model_parts[0]
         tokens, meta, labels, media = self._to_device(input_dict, labels)
         with self.train_context(), self.maybe_enable_amp:
-            out = model(tokens, meta, labels, **media)
+            out = model(tokens, meta, labels, absent=absent, **media)
             loss, parts = self.loss_fn(out.losses, global_counts, out.aux_losses, aux_contributions)
         del out
         loss.backward()
@@ -131,18 +133,23 @@ class OmniTrainer(Trainer):
                 local_counts[name] = local_counts[name] + count
             microbatches.append((batch, labels))
 
+        # One all-reduce over every rank (the loss mesh spans data and sequence ranks) gives the
+        # loss normalizers and, per micro-batch, which modalities some rank carries.
         loss_mesh = dims.get_optional_mesh("loss")
         names = list(local_counts)
-        local_vec = torch.stack([local_counts[n] for n in names]).to(self.device)
-        global_vec = all_reduce(local_vec, loss_mesh)
-        global_counts = dict(zip(names, global_vec))
+        presence = torch.stack([model.media_present(b) for b, _ in microbatches])
+        local_vec = torch.cat([torch.stack([local_counts[n] for n in names]), presence.flatten()])
+        global_vec = all_reduce(local_vec.to(self.device), loss_mesh)
+        global_counts = dict(zip(names, global_vec[: len(names)]))
+        present = global_vec[len(names):].view(presence.shape).tolist()
         contributions = self.gradient_accumulation_steps * (loss_mesh.size() if loss_mesh else 1)
 
         sums: dict[str, torch.Tensor] = {}
-        for batch, labels in microbatches:
+        for (batch, labels), flags in zip(microbatches, present):
+            absent = frozenset(m for m, n in zip(model.modalities, flags) if n == 0)
             parts = self.forward_backward_step(
                 input_dict=batch, labels=labels, global_counts=global_counts,
-                aux_contributions=contributions,
+                aux_contributions=contributions, absent=absent,
             )
             for name, value in parts.items():
                 sums[name] = sums[name] + value if name in sums else value

@@ -81,3 +81,24 @@ def test_dummy_path_without_media():
     for part in ("encoders.vision", "encoders.audio", "decoders.gen_image.aligner"):
         grads = [p.grad for p in model.get_submodule(part).parameters()]
         assert all(gr is not None and gr.abs().sum() == 0 for gr in grads), part
+
+
+def test_absent_modalities_skip_their_parts_with_the_same_losses():
+    """What the trainer does when no rank carries a modality: the parts are not run (no
+    gradient at all) and the losses equal those of the dummy path."""
+    torch.manual_seed(0)
+    model = build()
+    tokens = torch.randint(0, VOCAB, (1, S))
+    labels = torch.roll(tokens, -1, 1)
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, S], dtype=torch.int32), max_seqlen=S,
+                         position_ids=torch.arange(S)[None])
+    assert model.media_present({}).tolist() == [0] * len(model.modalities)
+    dummy = model(tokens, meta, labels)
+    skipped = model(tokens, meta, labels, absent=frozenset(model.modalities))
+    assert set(skipped.losses) == set(dummy.losses)
+    for name in dummy.losses:
+        assert torch.allclose(torch.as_tensor(skipped.losses[name]), torch.as_tensor(dummy.losses[name])), name
+    sum(skipped.losses.values()).backward()
+    for part in ("encoders.vision", "encoders.audio", "decoders.gen_image"):
+        assert all(p.grad is None for p in model.get_submodule(part).parameters()), part
+    assert all(p.grad is not None for p in model.llm.parameters())

@@ -1,0 +1,67 @@
+"""Where the GPU time of a profiled step goes: a PyTorch profiler (Chrome) trace summarized.
+
+Prints the step's wall time, the GPU kernel time (and so how idle the GPU was), the kernel
+time by kind (matrix products, attention, communication, the rest) and the top kernels.
+Traces come from TorchTitan's profiler, e.g. ``--profiling.enable_profiling
+--profiling.profile_freq 6`` writes ``<dump_folder>/profile_traces/iteration_6/rank0_trace.json``.
+
+    python3 scripts/summarize_trace.py outputs/x/profile_traces/iteration_6/rank0_trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+
+KINDS = (
+    ("communication", re.compile(r"nccl|all_?gather|reduce_?scatter|all_?to_?all", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|cutlass|sm\d+_xmma|cublas|matmul", re.I)),
+)
+
+
+def kind(name: str) -> str:
+    for label, pattern in KINDS:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def summarize(path: str, top: int = 20) -> str:
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e]
+    wall_us = sum(e["dur"] for e in steps) or (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels))
+    by_name: dict[str, float] = defaultdict(float)
+    by_kind: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        by_name[e["name"][:90]] += e["dur"]
+        by_kind[kind(e["name"])] += e["dur"]
+    comm = by_kind.get("communication", 0.0)
+    compute = sum(by_kind.values()) - comm
+    # compute kernels run on one stream at a time here: their sum vs the wall time shows how
+    # long the GPU waited (for the CPU, a sync or a collective)
+    lines = [f"{path}: {len(steps)} profiled step(s), wall {wall_us / 1e3:.1f} ms, compute kernels "
+             f"{compute / 1e3:.1f} ms ({100 * compute / wall_us:.0f}% of wall), communication "
+             f"kernels {comm / 1e3:.1f} ms (overlapping)"]
+    lines += [f"  {k:14s} {v / 1e3:9.1f} ms" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+    lines.append("  top kernels:")
+    for name, dur in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {dur / 1e3:9.1f} ms  {name}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--top", type=int, default=20)
+    args = p.parse_args()
+    for path in args.traces:
+        print(summarize(path, args.top))
+
+
+if __name__ == "__main__":
+    main()
