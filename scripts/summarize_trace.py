@@ -51,7 +51,28 @@ def summarize(path: str, top: int = 20) -> str:
     lines.append("  top kernels:")
     for name, dur in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {dur / 1e3:9.1f} ms  {name}")
+    lines += idle_gaps(events, kernels, top)
     return "\n".join(lines)
+
+
+def idle_gaps(events: list[dict], kernels: list[dict], top: int, min_us: float = 2000.0) -> list[str]:
+    """The longest stretches with no compute kernel running, each with the host ops that were
+    running when it began (what the GPU was waiting for)."""
+    compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if kind(e["name"]) != "communication")
+    gaps, end = [], None
+    for start, stop in compute:
+        if end is not None and start - end >= min_us:
+            gaps.append((start - end, end))
+        end = stop if end is None else max(end, stop)
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation")
+            and "dur" in e]
+    out = [f"  GPU compute idle: {sum(g for g, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps "
+           f">= {min_us / 1e3:.0f} ms; longest, with the host ops open at their start:"]
+    for gap, at in sorted(gaps, reverse=True)[:top]:
+        open_ops = sorted((e for e in host if e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: -e["ts"])
+        names = " < ".join(dict.fromkeys(str(e["name"])[:60] for e in open_ops[:4]))
+        out.append(f"  {gap / 1e3:9.1f} ms  {names or '(no host op)'}")
+    return out
 
 
 def main() -> None:
