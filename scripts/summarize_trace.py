@@ -33,26 +33,38 @@ def summarize(path: str, top: int = 20) -> str:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e]
-    wall_us = sum(e["dur"] for e in steps) or (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels))
+    # The profiler's warm-up steps leave ProfilerStep spans but no kernels: the window of the
+    # recorded kernels is the profiled GPU time.
+    start = min(e["ts"] for e in kernels)
+    wall_us = max(e["ts"] + e["dur"] for e in kernels) - start
     by_name: dict[str, float] = defaultdict(float)
     by_kind: dict[str, float] = defaultdict(float)
     for e in kernels:
         by_name[e["name"][:90]] += e["dur"]
         by_kind[kind(e["name"])] += e["dur"]
     comm = by_kind.get("communication", 0.0)
-    compute = sum(by_kind.values()) - comm
-    # compute kernels run on one stream at a time here: their sum vs the wall time shows how
-    # long the GPU waited (for the CPU, a sync or a collective)
-    lines = [f"{path}: {len(steps)} profiled step(s), wall {wall_us / 1e3:.1f} ms, compute kernels "
-             f"{compute / 1e3:.1f} ms ({100 * compute / wall_us:.0f}% of wall), communication "
-             f"kernels {comm / 1e3:.1f} ms (overlapping)"]
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if kind(e["name"]) != "communication"])
+    lines = [f"{path}: GPU window {wall_us / 1e3:.1f} ms, compute kernels busy {busy / 1e3:.1f} ms "
+             f"({100 * busy / wall_us:.0f}%), communication kernels {comm / 1e3:.1f} ms (their own "
+             "stream, overlapping)"]
     lines += [f"  {k:14s} {v / 1e3:9.1f} ms" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])]
     lines.append("  top kernels:")
     for name, dur in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {dur / 1e3:9.1f} ms  {name}")
     lines += idle_gaps(events, kernels, top)
     return "\n".join(lines)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
 
 
 def idle_gaps(events: list[dict], kernels: list[dict], top: int, min_us: float = 2000.0) -> list[str]:
@@ -66,8 +78,10 @@ def idle_gaps(events: list[dict], kernels: list[dict], top: int, min_us: float =
         end = stop if end is None else max(end, stop)
     host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation")
             and "dur" in e]
-    out = [f"  GPU compute idle: {sum(g for g, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps "
-           f">= {min_us / 1e3:.0f} ms; longest, with the host ops open at their start:"]
+    # Idle time outside these gaps is spread over short ones: kernels shorter than the host
+    # needs to launch the next (a launch-bound phase).
+    out = [f"  GPU compute idle in gaps >= {min_us / 1e3:.0f} ms: {sum(g for g, _ in gaps) / 1e3:.1f} ms "
+           f"({len(gaps)} gaps); longest, with the host ops open at their start:"]
     for gap, at in sorted(gaps, reverse=True)[:top]:
         open_ops = sorted((e for e in host if e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: -e["ts"])
         names = " < ".join(dict.fromkeys(str(e["name"])[:60] for e in open_ops[:4]))

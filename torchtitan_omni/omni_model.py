@@ -109,16 +109,18 @@ class OmniModel(ModelProtocol):
               absent: Collection[str] = ()) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Input embeddings with media scattered in, and the decoders' target ids."""
         h = self.llm.tok_embeddings(tokens)
-        for modality, enc_name in self.encoder_of.items():
-            if modality in absent:
+        for enc_name, encoder in self.encoders.items():
+            modalities = [m for m, e in self.encoder_of.items() if e == enc_name and m not in absent]
+            if encoder.merge_modalities and len(modalities) > 1:
+                h = self._encode_merged(h, encoder, modalities, batch)
                 continue
-            encoder = self.encoders[enc_name]
-            media = B.media(batch, modality)
-            index = batch.get(B.embed_index_key(modality))
-            if media and index is not None:
-                h = _scatter_rows(h, index, encoder(media, modality))
-            else:
-                h = h + 0.0 * encoder(encoder.dummy_media(modality, h.device), modality).sum()
+            for modality in modalities:
+                media = B.media(batch, modality)
+                index = batch.get(B.embed_index_key(modality))
+                if media and index is not None:
+                    h = _scatter_rows(h, index, encoder(media, modality))
+                else:
+                    h = h + 0.0 * encoder(encoder.dummy_media(modality, h.device), modality).sum()
         targets: dict[str, torch.Tensor] = {}
         for name, decoder in self.decoders.items():
             if name in absent:
@@ -138,6 +140,30 @@ class OmniModel(ModelProtocol):
                 dummy = torch.zeros(1, dtype=torch.long, device=h.device)
                 h = h + 0.0 * decoder.lm_embed(dummy).sum()
         return h, targets
+
+    @staticmethod
+    def _encode_merged(h: torch.Tensor, encoder: OmniEncoder, modalities: list[str],
+                       batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One pass of ``encoder`` over the items of all ``modalities`` in the batch (a dummy
+        item when it has none): every rank makes exactly one call, whatever its mix."""
+        local = {}
+        for modality in modalities:
+            media, index = B.media(batch, modality), batch.get(B.embed_index_key(modality))
+            if media and index is not None:
+                local[modality] = (media, index)
+        if not local:
+            dummy = encoder.dummy_media(modalities[0], h.device)
+            return h + 0.0 * encoder(dummy, modalities[0]).sum()
+        keys = {frozenset(media) for media, _ in local.values()}
+        if len(keys) > 1:
+            raise ValueError(f"{type(encoder).__name__} merges {', '.join(local)} but their media "
+                             f"tensors differ: {[sorted(k) for k in keys]}")
+        merged = {k: torch.cat([media[k] for media, _ in local.values()]) for k in next(iter(keys))}
+        rows = encoder(merged, next(iter(local)))
+        sizes = [encoder.output_rows(media, modality) for modality, (media, _) in local.items()]
+        for (media, index), part in zip(local.values(), rows.split(sizes)):
+            h = _scatter_rows(h, index, part)
+        return h
 
     def forward(
         self,

@@ -102,3 +102,35 @@ def test_absent_modalities_skip_their_parts_with_the_same_losses():
     for part in ("encoders.vision", "encoders.audio", "decoders.gen_image"):
         assert all(p.grad is None for p in model.get_submodule(part).parameters()), part
     assert all(p.grad is not None for p in model.llm.parameters())
+
+
+def test_images_and_video_share_one_vision_pass_with_the_same_rows():
+    """The vision encoder merges a batch's image and video items into one pass: the rows that
+    land on each placeholder equal those of separate passes; a batch with none of them runs
+    one dummy pass."""
+    torch.manual_seed(0)
+    model = build().double()
+    vision = model.encoders["vision"]
+    g = torch.Generator().manual_seed(3)
+    image = items_media(vision, [torch.randn(1, 3, 16, 16, generator=g),
+                                 torch.randn(1, 3, 8, 16, generator=g)])
+    video = items_media(vision, [torch.randn(4, 3, 8, 8, generator=g)])
+    n_img, n_vid = vision.output_rows(image, "image"), vision.output_rows(video, "video")
+    assert (n_img, n_vid) == (4 + 2, 2)
+    tokens = torch.randint(0, VOCAB, (1, S), generator=g)
+    batch = {
+        **{f"image_{k}": v for k, v in image.items()},
+        "image_embed_index": index(list(range(3, 3 + n_img))),
+        **{f"video_{k}": v for k, v in video.items()},
+        "video_embed_index": index(list(range(20, 20 + n_vid))),
+    }
+    calls = []
+    hook = vision.register_forward_hook(lambda mod, args, out: calls.append(args[1]))
+    h, _ = model.embed(tokens, batch)
+    assert calls == ["image"]  # one pass for both modalities
+    assert torch.allclose(h[0, 3:3 + n_img], vision(image, "image"), atol=1e-12)
+    assert torch.allclose(h[0, 20:20 + n_vid], vision(video, "video"), atol=1e-12)
+    calls.clear()
+    model.embed(tokens, {})
+    assert calls == ["image"]  # a batch without media: one dummy pass
+    hook.remove()

@@ -180,6 +180,7 @@ class VisionEncoder(OmniEncoder):
     """Qwen2-VL vision tower + merger into the LLM width (see the module docstring)."""
 
     modalities = (IMAGE, VIDEO)
+    merge_modalities = True  # images and videos are both patch items with a grid
     #: sub-modules a parallel plan should wrap with FSDP / may checkpoint (patterns)
     fsdp_units = ("blocks.*", "merger")
     ac_units = ("blocks.*",)
@@ -219,6 +220,9 @@ class VisionEncoder(OmniEncoder):
             "patches": torch.zeros(m * m, self.args.patch_dim, device=device),
             "grid_thw": torch.tensor([[1, m, m]], dtype=torch.long, device=device),
         }
+
+    def output_rows(self, media: dict[str, torch.Tensor], modality: str) -> int:
+        return sum(t * h * w for t, h, w in media["grid_thw"].tolist()) // self.args.merge_size**2
 
     def lm_encode(self, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
         patches, grid = self._checked(media, modality)

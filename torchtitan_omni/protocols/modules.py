@@ -77,6 +77,10 @@ class OmniEncoder(nn.Module, ABC):
 
     #: the batch modalities this encoder consumes, e.g. ("image", "video")
     modalities: tuple[str, ...] = ()
+    #: True when the modalities' media share one layout (same tensors, items independent):
+    #: the omni model then encodes all of a batch's items in one pass (``output_rows`` splits
+    #: the result), which halves the per-step kernel launches of a deep encoder
+    merge_modalities: bool = False
 
     def forward(self, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
         return self.lm_encode(media, modality)
@@ -88,6 +92,10 @@ class OmniEncoder(nn.Module, ABC):
         ``media`` holds the modality's tensors without their ``<modality>_`` prefix (see
         ``torchtitan_omni.protocols.processing``).
         """
+
+    def output_rows(self, media: dict[str, torch.Tensor], modality: str) -> int:
+        """Rows ``lm_encode`` returns for ``media`` (needed when ``merge_modalities``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not merge modalities")
 
     @abstractmethod
     def processing(self, modality: str):
