@@ -14,7 +14,7 @@ encoder: it must fit in ``seq_len``.
         --training.dataset long_context --training.dataset_path data/long_context_32k
 
 The media files stay where the bundled dataset keeps them (rows refer to them by relative
-path), so the output is small.
+path), so the output is small. Other ``--section.key value`` arguments override the config.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-every", type=int, default=1024, help="text tokens between images (0: none)")
     p.add_argument("--video-every", type=int, default=4096, help="text tokens between videos (0: none)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    # anything else is a job-config override, as for run_train.sh (e.g. --model.hf_assets_path)
+    args, args.overrides = p.parse_known_args(argv)
+    return args
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -125,13 +127,14 @@ class DocumentBuilder:
         return {"text": "".join(parts), "images": row_images, "videos": row_videos}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Build the dataset; returns its manifest."""
     args = parse_args(argv)
     # one process here: the parallel degrees of the training job do not matter to the data
     cfg = parse_job_config_or_exit(["--job.config_file", args.config,
                                     "--training.seq_len", str(args.seq_len),
                                     "--parallelism.expert_parallel_degree", "1",
-                                    "--parallelism.ulysses_degree", "1"])
+                                    "--parallelism.ulysses_degree", "1", *args.overrides])
     root = dataset_root(cfg)
     tokenizer = build_omni_tokenizer(cfg)
     processors = build_processors(model_processing(cfg))
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{path}: {args.rows} rows, {manifest['tokens_per_row']['mean']:.0f} tokens/row "
           f"(max {max(lengths)} <= {args.seq_len}), {manifest['images_per_row']:.1f} images and "
           f"{manifest['videos_per_row']:.1f} videos/row")
+    return manifest
 
 
 if __name__ == "__main__":

@@ -133,3 +133,14 @@ def run_train(config: str, ngpu: int = 1, *overrides: str, env: dict | None = No
 
 def python() -> str:
     return sys.executable
+
+
+def load_script(name: str):
+    """Import ``scripts/<name>.py`` (not a package) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

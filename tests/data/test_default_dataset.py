@@ -124,3 +124,27 @@ def test_tokenizer_builder_triggers_the_build(tmp_path, monkeypatch):
                      str(tmp_path / "other"), "--data.no-build_if_missing")
     with pytest.raises(FileNotFoundError, match="build_default_dataset.py"):
         dd.maybe_build_default(off)
+
+
+def test_long_context_builder_fills_rows_that_fit(built, tmp_path):
+    """scripts/build_long_context_dataset.py: one long document per row, with images and
+    video, that the training pipeline encodes within seq_len."""
+    from tests.harness import REPO, load_script
+
+    builder = load_script("build_long_context_dataset")
+    path, tok_dir, _ = built
+    out = tmp_path / "long"
+    manifest = builder.main([
+        "--config", str(REPO / "train_configs" / "llama_omni_debug.toml"), "--seq-len", "2048",
+        "--out", str(out), "--rows", "3", "--image-every", "256", "--video-every", "512",
+        "--training.dataset_path", str(path), "--model.hf_assets_path", str(tok_dir),
+    ])
+    assert manifest["rows"] == 3
+    assert 0.85 * 2048 < manifest["tokens_per_row"]["min"] <= manifest["tokens_per_row"]["max"] <= 2048
+    assert manifest["images_per_row"] >= 3 and manifest["videos_per_row"] >= 1
+    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["text"].count("<image>") == len(row["images"])
+        assert row["text"].count("<video>") == len(row["videos"])
+        assert all((out / p).is_file() for p in row["images"] + row["videos"])
