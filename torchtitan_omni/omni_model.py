@@ -111,16 +111,10 @@ class OmniModel(ModelProtocol):
         h = self.llm.tok_embeddings(tokens)
         for enc_name, encoder in self.encoders.items():
             modalities = [m for m, e in self.encoder_of.items() if e == enc_name and m not in absent]
-            if encoder.merge_modalities and len(modalities) > 1:
-                h = self._encode_merged(h, encoder, modalities, batch)
-                continue
-            for modality in modalities:
-                media = B.media(batch, modality)
-                index = batch.get(B.embed_index_key(modality))
-                if media and index is not None:
-                    h = _scatter_rows(h, index, encoder(media, modality))
-                else:
-                    h = h + 0.0 * encoder(encoder.dummy_media(modality, h.device), modality).sum()
+            passes = [modalities] if encoder.merge_modalities else [[m] for m in modalities]
+            for group in passes:
+                if group:
+                    h = self._encode(h, encoder, group, batch)
         targets: dict[str, torch.Tensor] = {}
         for name, decoder in self.decoders.items():
             if name in absent:
@@ -142,10 +136,11 @@ class OmniModel(ModelProtocol):
         return h, targets
 
     @staticmethod
-    def _encode_merged(h: torch.Tensor, encoder: OmniEncoder, modalities: list[str],
-                       batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One pass of ``encoder`` over the items of all ``modalities`` in the batch (a dummy
-        item when it has none): every rank makes exactly one call, whatever its mix."""
+    def _encode(h: torch.Tensor, encoder: OmniEncoder, modalities: list[str],
+                batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One pass of ``encoder`` over the batch's items of ``modalities`` (several only for
+        an encoder that merges them), its rows scattered onto their placeholders; a dummy item
+        times zero when the batch has none, so every rank makes the same calls."""
         local = {}
         for modality in modalities:
             media, index = B.media(batch, modality), batch.get(B.embed_index_key(modality))
@@ -154,6 +149,9 @@ class OmniModel(ModelProtocol):
         if not local:
             dummy = encoder.dummy_media(modalities[0], h.device)
             return h + 0.0 * encoder(dummy, modalities[0]).sum()
+        if len(local) == 1:
+            (modality, (media, index)), = local.items()
+            return _scatter_rows(h, index, encoder(media, modality))
         keys = {frozenset(media) for media, _ in local.values()}
         if len(keys) > 1:
             raise ValueError(f"{type(encoder).__name__} merges {', '.join(local)} but their media "
