@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -256,10 +257,6 @@ def table(rows: list[dict], device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _text(out) -> str:
-    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
-
-
 def device_name() -> str:
     import torch
 
@@ -291,12 +288,21 @@ def main() -> None:
                          "command": point.shell(), "status": "not run (deadline)"})
             continue
         t0 = time.monotonic()
+        # own process group: a point past the deadline is stopped with torchrun's workers
+        proc = subprocess.Popen(point.command(), cwd=REPO, env={**os.environ, **point.environment()},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(point.command(), cwd=REPO, env={**os.environ, **point.environment()},
-                                  capture_output=True, text=True, timeout=left)
-            log, rc = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            log, rc = _text(e.stdout) + _text(e.stderr), "timeout"
+            log, rc = proc.communicate(timeout=left)[0], proc.returncode
+        except subprocess.TimeoutExpired:
+            # SIGTERM first: torchrun then stops its workers (they run in sessions of their own)
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                log = proc.communicate(timeout=30)[0]
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                log = proc.communicate()[0]
+            rc = "timeout"
         if args.logs:
             os.makedirs(args.logs, exist_ok=True)
             with open(os.path.join(args.logs, f"{point.name}.log"), "w") as f:
