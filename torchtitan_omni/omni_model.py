@@ -42,6 +42,14 @@ class OmniOutput:
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def _local_media(batch: dict[str, torch.Tensor], modality: str
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+    """The modality's media and embedding index when this (local) batch carries it, else None.
+    The one test of presence: the trainer's cross-rank agreement counts what ``embed`` uses."""
+    media, index = B.media(batch, modality), batch.get(B.embed_index_key(modality))
+    return (media, index) if media and index is not None else None
+
+
 def _scatter_rows(h: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Replace ``h[b, s]`` by ``rows[index[b, s]]`` where ``index >= 0`` (out of place)."""
     mask = index >= 0
@@ -90,7 +98,7 @@ class OmniModel(ModelProtocol):
     def media_present(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """1/0 per modality of :attr:`modalities`: does this (local) batch carry it?"""
         return torch.tensor(
-            [int(bool(B.media(batch, m)) and B.embed_index_key(m) in batch) for m in self.modalities],
+            [int(_local_media(batch, m) is not None) for m in self.modalities],
             dtype=torch.long,
         )
 
@@ -119,9 +127,9 @@ class OmniModel(ModelProtocol):
         for name, decoder in self.decoders.items():
             if name in absent:
                 continue
-            media = B.media(batch, name)
-            index = batch.get(B.embed_index_key(name))
-            if media and index is not None:
+            carried = _local_media(batch, name)
+            if carried is not None:
+                media, index = carried
                 with torch.no_grad():
                     ids = decoder.encode_targets(media)
                 targets[name] = ids
@@ -141,11 +149,7 @@ class OmniModel(ModelProtocol):
         """One pass of ``encoder`` over the batch's items of ``modalities`` (several only for
         an encoder that merges them), its rows scattered onto their placeholders; a dummy item
         times zero when the batch has none, so every rank makes the same calls."""
-        local = {}
-        for modality in modalities:
-            media, index = B.media(batch, modality), batch.get(B.embed_index_key(modality))
-            if media and index is not None:
-                local[modality] = (media, index)
+        local = {m: carried for m in modalities if (carried := _local_media(batch, m)) is not None}
         if not local:
             dummy = encoder.dummy_media(modalities[0], h.device)
             return h + 0.0 * encoder(dummy, modalities[0]).sum()
