@@ -8,7 +8,7 @@ Prints samples/s and tokens/s (real, non-padding tokens) of the loader and wheth
 with one training step per ``--gpu-step-ms`` per data-parallel rank (each rank has its own
 loader and workers). Processing configs come from ``--model/--flavor`` when that spec is
 registered, else from ``--preset``: "debug" (small 28 px patches, what the CPU debug models
-use) or "qwen2vl" (14 px patches, 448^2 images, Whisper audio, 384 px generation targets).
+use) or "qwen2vl" (14 px patches, images up to 1,280 LLM tokens, Whisper audio, 384 px generation targets).
 """
 
 from __future__ import annotations

@@ -60,13 +60,15 @@ class VisionArgs:
     #: LLM width of the Hugging Face checkpoint's merger (None: ours); when it differs, the
     #: merger's last linear is not loaded and keeps its initialization
     hf_llm_dim: int | None = None
-    # processing (data pipeline) bounds
+    # processing (data pipeline) bounds: Qwen2-VL's recommended image range caps an image at
+    # 1,280 LLM tokens (about 1,000 x 1,000 px); video frames up to 448 x 448 px (256 tokens
+    # per temporal patch), 32 frames at 2 fps
     image_min_pixels: int = 56 * 56
-    image_max_pixels: int = 448 * 448
+    image_max_pixels: int = 1280 * 28 * 28
     video_min_pixels: int = 56 * 56
-    video_max_pixels: int = 224 * 224
+    video_max_pixels: int = 448 * 448
     video_fps: float = 2.0
-    video_max_frames: int = 16
+    video_max_frames: int = 32
 
     def __post_init__(self) -> None:
         if self.attention_span not in ("frame", "item"):
