@@ -51,3 +51,50 @@ def test_kv_cache_decoding_matches_full_forward():
         pieces.append(attn(x[:, i:i + 1], AttentionMeta(None, 0, pos[:, i:i + 1], kv_cache=cache)))
     assert len(cache) == 9
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-6)
+
+
+def test_block_masked_path_matches_reference():
+    # the traceable CPU path (used inside torch.compile) on the same layout
+    from torchtitan_omni.modules.attention import _attention_block_masked
+
+    torch.manual_seed(1)
+    q = torch.randn(23, 4, 8, dtype=torch.float64)
+    k, v = torch.randn(23, 2, 8, dtype=torch.float64), torch.randn(23, 2, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 5, 6, 17, 23], dtype=torch.int32)
+    for causal in (True, False):
+        out = _attention_block_masked(q, k, v, cu, causal, None)
+        torch.testing.assert_close(out, _dense_reference(q, k, v, cu, causal))
+
+
+def test_row_attention_is_exact_for_single_document_rows():
+    # two rows, each one document then padding: whole-row causal attention gives the real
+    # tokens exactly what per-document attention gives them
+    from torchtitan_omni.modules.attention import row_attention
+    from torchtitan_omni.protocols.batch import whole_rows
+
+    torch.manual_seed(2)
+    b, s, real = 2, 16, (11, 16)
+    q = torch.randn(b, s, 4, 8, dtype=torch.float64)
+    k, v = torch.randn(b, s, 2, 8, dtype=torch.float64), torch.randn(b, s, 2, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 11, 16, 32], dtype=torch.int32)
+    assert whole_rows(cu, b, torch.tensor(sum(real)))
+    ref = _dense_reference(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, True)
+    out = row_attention(q, k, v, causal=True).flatten(0, 1)
+    keep = torch.cat([torch.arange(real[0]), s + torch.arange(real[1])])
+    torch.testing.assert_close(out[keep], ref[keep])
+
+
+def test_whole_rows_reads_the_layout():
+    from torchtitan_omni.protocols.batch import whole_rows
+
+    def cu(*b):
+        return torch.tensor(b, dtype=torch.int32)
+
+    assert whole_rows(cu(0, 90, 100), 1, torch.tensor(90))  # one document, padding
+    assert whole_rows(cu(0, 100), 1, torch.tensor(100))  # one full document
+    assert whole_rows(cu(0, 90, 100, 180, 200), 2, torch.tensor(170))
+    assert not whole_rows(cu(0, 50, 90, 100), 1, torch.tensor(90))  # two documents
+    assert not whole_rows(cu(0, 50, 100), 1, torch.tensor(100))  # two documents, no padding
+    assert not whole_rows(cu(0, 90, 100, 150, 180, 200), 2, torch.tensor(170))
+    assert not whole_rows(cu(0, 100), 1, torch.tensor(0))  # a row of padding only
+    assert not whole_rows(cu(0, 100), 1, None)

@@ -186,10 +186,8 @@ class OmniModel(ModelProtocol):
         hidden = self.llm(h, meta)
         out = OmniOutput()
         text_mask = labels != B.IGNORE_INDEX
-        text_logits = self.llm.output(hidden[text_mask])
-        out.losses[TEXT_LOSS] = nn.functional.cross_entropy(
-            text_logits.float(), labels[text_mask], reduction="sum"
-        )
+        # labelled positions only, and no full-vocabulary logits kept (LinearHead)
+        out.losses[TEXT_LOSS] = self.llm.output(hidden[text_mask], labels[text_mask])
         for name, decoder in self.decoders.items():
             index = batch.get(B.target_index_key(name))
             if name in absent:

@@ -33,6 +33,8 @@ from torchtitan.train import Trainer
 
 from torchtitan_omni.checkpoint import setup_checkpointing
 from torchtitan_omni.config.manager import ConfigError, parse_job_config_or_exit
+from torchtitan_omni.components.metrics import COMPILED_GRAPHS
+from torchtitan_omni.distributed.compile import compiled_graphs
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.sequence import shard_sequence
 from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_
@@ -89,11 +91,12 @@ class OmniTrainer(Trainer):
     def _to_device(self, batch: dict[str, torch.Tensor], labels: torch.Tensor):
         cu = batch[B.CU_SEQLENS]
         max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        whole_rows = B.whole_rows(cu, labels.shape[0], batch.get(B.REAL_TOKENS))
         moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()
                  if isinstance(v, torch.Tensor)}
         meta = AttentionMeta(
             cu_seqlens=moved.pop(B.CU_SEQLENS), max_seqlen=max_seqlen,
-            position_ids=moved.pop(B.POSITION_IDS),
+            position_ids=moved.pop(B.POSITION_IDS), whole_rows=whole_rows,
         )
         moved.pop(B.REAL_TOKENS, None)
         tokens = moved.pop(B.INPUT)
@@ -181,8 +184,12 @@ class OmniTrainer(Trainer):
             self.step, total, max_loss, losses, float(grad_norm),
             extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr,
                            **{f"targets/{n}": int(c) for n, c in global_counts.items()},
-                           **self._skipped_samples()},
+                           **self._skipped_samples(), **self._compile_stats()},
         )
+
+    def _compile_stats(self) -> dict[str, int]:
+        """Graphs compiled so far (stops growing after the first steps)."""
+        return {COMPILED_GRAPHS: compiled_graphs()} if self.job_config.compile.enable else {}
 
     def _skipped_samples(self) -> dict[str, int]:
         """Samples the data pipeline skipped so far, per reason, summed over data ranks."""

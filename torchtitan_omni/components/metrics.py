@@ -17,6 +17,10 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 
+#: metric name of the graphs torch.compile has made so far (logged when the job compiles)
+COMPILED_GRAPHS = "compile/graphs"
+
+
 class OmniMetricsProcessor(MetricsProcessor):
     """TorchTitan's metrics processor with named losses and per-batch FLOPs."""
 
@@ -71,6 +75,7 @@ class OmniMetricsProcessor(MetricsProcessor):
             f"{c.turquoise}memory: {mem.max_reserved_gib:5.2f}GiB({mem.max_reserved_pct:.2f}%)  "
             f"{c.blue}tps: {round(tps):,}  {c.cyan}tflops: {flops_per_s / 1e12:,.2f}  "
             f"{c.magenta}mfu: {mfu:.2f}%{c.reset}"
+            + (f"  compiled graphs: {metrics[COMPILED_GRAPHS]}" if COMPILED_GRAPHS in metrics else "")
         )
         self.ntokens_since_last_log = 0
         self.flops_since_last_log = 0.0

@@ -38,6 +38,31 @@ class Parallelism:
     docs/parallelism.md."""
 
 
+AUTO_WORKERS = -1
+
+
+@dataclass
+class DataLoader:
+    """TorchTitan's ``[training.dataloader]`` with omni defaults: media are decoded and
+    patchified in loader workers, off the training step's critical path."""
+
+    num_workers: int = AUTO_WORKERS
+    """Loader worker processes per rank; -1 (default): sized from the CPU cores per local rank
+    (``torchtitan_omni.data.loader.auto_workers``: up to 4, none on a machine with a core or
+    less per rank); 0: load in the training process."""
+
+    pin_memory: bool = True
+    """Page-locked batches, so the copy to the GPU does not block the host (CUDA runs; a
+    CPU-only run has no device copy to speed up)."""
+
+
+@dataclass
+class Training:
+    """Omni defaults of TorchTitan's ``[training]`` keys."""
+
+    dataloader: DataLoader = field(default_factory=DataLoader)
+
+
 @dataclass
 class Omni:
     """Which parts train, how the losses combine, and per-part activation checkpointing."""
@@ -174,6 +199,7 @@ class JobConfig:
     """The sections torchtitan-omni adds or extends."""
 
     parallelism: Parallelism = field(default_factory=Parallelism)
+    training: Training = field(default_factory=Training)
     omni: Omni = field(default_factory=Omni)
     data: Data = field(default_factory=Data)
     weights: Weights = field(default_factory=Weights)

@@ -16,6 +16,8 @@ import pickle
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
 from torchdata.stateful_dataloader.incremental_state import _DATASET_STATE
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
@@ -165,6 +167,29 @@ def check_data_config(data, seq_len: int) -> None:
         raise ValueError(f"training.seq_len={seq_len} is too short for any sample")
 
 
+def auto_workers(cpu_count: int | None = None, local_ranks: int | None = None) -> int:
+    """Loader workers per rank for ``num_workers = -1``: the cores each local rank has, less
+    one for the training process, at most 4 (more rarely pays: a worker decodes a batch in
+    tens of milliseconds, a step takes hundreds)."""
+    cpu_count = cpu_count or os.cpu_count() or 1
+    local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, min(4, cpu_count // max(1, local_ranks) - 1))
+
+
+def resolved_loader_options(options) -> dict[str, Any]:
+    """``[training.dataloader]`` as StatefulDataLoader arguments: ``num_workers = -1``
+    resolved by :func:`auto_workers`, pinning only where there is a GPU to copy to, and the
+    worker-only options dropped without workers."""
+    kwargs = asdict(options)
+    if kwargs["num_workers"] < 0:
+        kwargs["num_workers"] = auto_workers()
+    kwargs["pin_memory"] = bool(kwargs["pin_memory"]) and torch.cuda.is_available()
+    if kwargs["num_workers"] == 0:
+        kwargs["persistent_workers"] = False
+        kwargs["prefetch_factor"] = None
+    return kwargs
+
+
 def build_omni_dataloader(
     dp_world_size: int, dp_rank: int, tokenizer, job_config, *, processing: dict | None = None,
     split: str | None = None, infinite: bool = True, seq_len: int | None = None,
@@ -207,10 +232,11 @@ def build_omni_dataloader(
         buffer_docs=data.buffer_docs, infinite=infinite, seed=data.shuffle_seed,
         bad_sample_policy=data.bad_sample_policy,
     )
-    loader_kwargs = asdict(job_config.training.dataloader)
+    loader_kwargs = resolved_loader_options(job_config.training.dataloader)
     loader_kwargs.update(kwargs)
     logger.info(
         f"omni data: {len(files)} file(s) of split {split or data.split!r} under {root}, "
-        f"modalities {', '.join(processors) or 'text only'}, rank {dp_rank}/{dp_world_size}"
+        f"modalities {', '.join(processors) or 'text only'}, rank {dp_rank}/{dp_world_size}, "
+        f"{loader_kwargs['num_workers']} loader worker(s)"
     )
     return OmniDataLoader(dataset, dp_rank, dp_world_size, **loader_kwargs)

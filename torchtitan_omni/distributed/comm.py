@@ -1,11 +1,12 @@
 """Differentiable collectives: the all-to-alls of Ulysses and expert parallel, and a gather of
 variable-length rows.
 
-Every function here is an ``autograd.Function`` whose backward is the adjoint collective, so
-gradients flow across ranks exactly as activations did. They take a ``ProcessGroup`` (use
+Every function here is differentiable, its backward the adjoint collective, so gradients flow
+across ranks exactly as activations did. They take a ``ProcessGroup`` (use
 ``mesh.get_group()``) and work on gloo (CPU) and NCCL.
 
-Ulysses swaps a split sequence for split heads with :func:`all_to_all` (sync) or with the
+Ulysses swaps a split sequence for split heads with :func:`all_to_all` (sync; PyTorch's
+functional collectives, so ``torch.compile`` traces it into a block's graph) or with the
 :func:`all_to_all_start` / :func:`all_to_all_wait` pair (async): the pair launches the
 collective, lets the caller compute meanwhile, and waits only when the result is used. The
 backward of the pair is asynchronous too: ``all_to_all_wait``'s backward launches the gradient
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.autograd import Function
 
 ProcessGroup = dist.ProcessGroup
@@ -46,25 +48,18 @@ def _launch(packed: torch.Tensor, group: ProcessGroup, async_op: bool):
     return out, work
 
 
-class _AllToAll(Function):
-    @staticmethod
-    def forward(ctx, x, scatter_dim: int, gather_dim: int, group: ProcessGroup):
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        out, _ = _launch(_pack(x, scatter_dim, group.size()), group, async_op=False)
-        return _unpack(out, gather_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return _AllToAll.apply(grad, gather_dim, scatter_dim, ctx.group), None, None, None
-
-
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup) -> torch.Tensor:
     """Split ``x`` along ``scatter_dim`` over the group and concatenate what arrives along
-    ``gather_dim`` (rank order). Ulysses: ``scatter_dim`` = heads, ``gather_dim`` = sequence."""
+    ``gather_dim`` (rank order). Ulysses: ``scatter_dim`` = heads, ``gather_dim`` = sequence.
+
+    Through PyTorch's functional collectives, whose backward is the reverse all-to-all and
+    which ``torch.compile`` traces into a block's graph.
+    """
     if group.size() == 1:
         return x
-    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+    packed = _pack(x, scatter_dim, group.size())
+    out = funcol.wait_tensor(funcol.all_to_all_single_autograd(packed, None, None, group))
+    return _unpack(out, gather_dim)
 
 
 class PendingAllToAll:

@@ -7,7 +7,9 @@ Order (each step reads the spec's ``OmniParallelPlan``):
    the encoders' SP mode (``parallelism.encoder_sequence_parallel``);
 3. expert parallel on the plan's ``experts`` modules (``ep`` mesh, all-to-all dispatcher);
 4. activation checkpointing of each part's ``ac_units``;
-5. FSDP2: experts over the expert mesh, then each part's units and the part over the part's
+5. ``torch.compile`` of the same blocks and of the loss kernel (``[compile]``,
+   ``torchtitan_omni.distributed.compile``);
+6. FSDP2: experts over the expert mesh, then each part's units and the part over the part's
    mesh, then the root. Every reduction is a plain sum (the loss is already divided by the
    global target count; gloo has no AVG/PREMUL_SUM).
 
@@ -28,6 +30,7 @@ from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.tools.logging import logger
 
 from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+from torchtitan_omni.distributed.compile import compile_loss_heads, compile_units
 from torchtitan_omni.distributed.encoder_sp import install_split_encoders
 from torchtitan_omni.distributed.expert_parallel import apply_expert_parallel
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
@@ -197,6 +200,24 @@ def apply_activation_checkpointing(model: nn.Module, plan: OmniParallelPlan, job
     return done
 
 
+# ----------------------------------------------------------------- torch.compile
+def apply_compile(model: nn.Module, plan: OmniParallelPlan, job_config: JobConfig) -> dict[str, int]:
+    """Compile every part's blocks (``compile.components`` has "model") and the text head's
+    loss kernel ("loss"); returns what was compiled per part."""
+    cfg = job_config.compile
+    if not cfg.enable:
+        return {}
+    done = {}
+    if "model" in cfg.components:
+        for part in plan.parts:
+            units = [m for _, m in matching_modules(model, part.root, part.ac_units)]
+            if units:
+                done[part.root] = compile_units(units, cfg.backend)
+    if "loss" in cfg.components:
+        done["loss heads"] = compile_loss_heads(model, cfg.backend)
+    return done
+
+
 # ----------------------------------------------------------------- entry point
 def parallelize_omni(model: nn.Module, parallel_dims: OmniParallelDims, job_config: JobConfig) -> nn.Module:
     """``TrainSpec.parallelize_fn`` of every omni spec: apply the model's declared plan."""
@@ -230,6 +251,10 @@ def parallelize_omni(model: nn.Module, parallel_dims: OmniParallelDims, job_conf
     ac = apply_activation_checkpointing(model, plan, job_config)
     if ac:
         logger.info("Activation checkpointing: " + ", ".join(f"{k}: {v} units" for k, v in ac.items()))
+
+    compiled = apply_compile(model, plan, job_config)
+    if compiled:
+        logger.info("torch.compile: " + ", ".join(f"{k}: {v}" for k, v in compiled.items()))
 
     choices = apply_fsdp(model, plan, dims, job_config, expert_names)
     if choices:

@@ -2,7 +2,8 @@
 
 ``PreNormBlock``: ``x + attention(norm(x))`` then ``x + ffn(norm(x))``, with TorchTitan's
 depth-scaled init of the output projections. ``DecoderLM``: token embedding, blocks, final
-RMSNorm and the untied text head, RoPE tables shared by every block. A foundation supplies its
+RMSNorm and the untied text head (a ``LinearHead``: logits, or the summed loss computed chunk by
+chunk), RoPE tables shared by every block. A foundation supplies its
 args and a block factory (Llama-3: SwiGLU blocks; Qwen3-MoE: q/k-normed attention + MoE).
 """
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_omni.modules import init
+from torchtitan_omni.modules.linear_cross_entropy import LinearHead
 from torchtitan_omni.modules.rope import RotaryEmbedding
 from torchtitan_omni.protocols.modules import AttentionMeta, Foundation
 
@@ -61,7 +63,8 @@ class DecoderLM(Foundation):
         self.rope = RotaryEmbedding(args.resolved_head_dim, args.max_seq_len, args.rope_theta, rope_scaling)
         self.layers = nn.ModuleDict({str(i): make_block(i, self.rope) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # head(hidden, targets) gives the summed loss without keeping every logit
+        self.output = LinearHead(args.dim, args.vocab_size, bias=False)
 
     def forward(self, h: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         for layer in self.layers.values():

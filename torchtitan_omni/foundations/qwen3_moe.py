@@ -56,6 +56,9 @@ class Qwen3MoeBlock(PreNormBlock):
     """Pre-norm attention (q/k norm) + MoE block."""
 
     ffn_attr = "moe"
+    #: the MoE layer keeps routing statistics on the module and, under expert parallel, reads
+    #: split sizes on the host: torch.compile takes it in pieces (graph breaks)
+    compile_fullgraph = False
 
     def __init__(self, layer_id: int, args: Qwen3MoeArgs, rope: RotaryEmbedding) -> None:
         attention = SelfAttention(

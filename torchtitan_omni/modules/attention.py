@@ -1,9 +1,18 @@
-"""Packed (varlen) attention and the self-attention module shared by encoders and LLMs.
+"""Packed (document-masked) attention and the self-attention module shared by encoders and LLMs.
 
-``varlen_attention`` computes attention within each document of a packed sequence: on CUDA
-through PyTorch's flash-attention varlen kernel (``torch.nn.attention.varlen``); elsewhere (and
-as a fallback) with ``scaled_dot_product_attention`` per document, which is exact and needs no
-block mask. flash-attn is never required.
+``varlen_attention`` computes attention within each document of a packed sequence:
+
+- on CUDA through PyTorch's varlen kernel (``torch.nn.attention.varlen``, FlashAttention-2),
+  one launch for every document;
+- when each row is a single document followed by padding (``AttentionMeta.whole_rows``:
+  long-context rows), causal attention over the whole rows is exact for every real token and
+  runs on ``scaled_dot_product_attention`` with the backends of :data:`ROW_BACKENDS` (cuDNN's
+  Hopper kernels first: ``scripts/bench_attention.py`` measured them about twice as fast as the
+  varlen kernel, ``docs/performance.md``);
+- on CPU with ``scaled_dot_product_attention`` per document (exact, no block mask), or, inside
+  ``torch.compile``, with a block-diagonal mask built on the device (traceable).
+
+flash-attn is never required.
 
 ``SelfAttention`` splits its work into ``project`` (q/k/v projections, per-head norm and
 RoPE), ``core`` (the attention itself) and ``wo``, and delegates their ordering to a runner.
@@ -19,6 +28,7 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchtitan_omni.modules import init
 from torchtitan_omni.modules.rope import RotaryEmbedding
@@ -36,6 +46,11 @@ except (ImportError, ValueError):  # pragma: no cover - older torch
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """``[T, Hkv, D]`` -> ``[T, Hkv * n_rep, D]`` (each kv head serves ``n_rep`` q heads)."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+#: SDPA backends for whole-row attention, in order of preference (see the module docstring)
+ROW_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _attention_per_document(
@@ -60,6 +75,24 @@ def _attention_per_document(
     return torch.cat(outs, dim=0)
 
 
+def _attention_block_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+    causal: bool, scale: float | None,
+) -> torch.Tensor:
+    """Attention under a block-diagonal (document) mask built from ``cu_seqlens`` on the
+    device: no host reads, so ``torch.compile`` traces it. Memory grows as T^2: CPU only."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    pos = torch.arange(q.shape[0], device=q.device)
+    doc = torch.searchsorted(cu_seqlens.to(q.device, torch.long)[1:], pos, right=True)
+    mask = doc.unsqueeze(1) == doc.unsqueeze(0)
+    if causal:
+        mask = mask & (pos.unsqueeze(1) >= pos.unsqueeze(0))
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
     max_seqlen: int, causal: bool = True, scale: float | None = None,
@@ -78,7 +111,22 @@ def varlen_attention(
             k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         return _varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    if torch.compiler.is_compiling():
+        return _attention_block_masked(q, k, v, cu_seqlens, causal, scale)
     return _attention_per_document(q, k, v, cu_seqlens, causal, scale)
+
+
+def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float | None = None) -> torch.Tensor:
+    """Attention over whole rows: ``[B, S, Hq, D]`` q and ``[B, S, Hkv, D]`` k/v in, ``[B, S,
+    Hq, D]`` out, on the first usable backend of :data:`ROW_BACKENDS`."""
+    n_rep = q.shape[2] // k.shape[2]
+    if n_rep > 1:  # cuDNN takes no GQA: each kv head is repeated for its q heads
+        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+    with sdpa_kernel(ROW_BACKENDS, set_priority=True):
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=causal, scale=scale)
+    return o.transpose(1, 2)
 
 
 class AttentionRunner(Protocol):
@@ -188,10 +236,13 @@ class SelfAttention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """Attention over the full packed sequence: ``[B, S, H, D]`` in and out."""
+        causal = self.causal and meta.causal
+        if meta.whole_rows and causal and q.is_cuda:
+            return row_attention(q, k, v, causal)
         b, s = q.shape[:2]
         o = varlen_attention(
             q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), meta.cu_seqlens,
-            meta.max_seqlen, causal=self.causal and meta.causal,
+            meta.max_seqlen, causal=causal,
         )
         return o.unflatten(0, (b, s))
 

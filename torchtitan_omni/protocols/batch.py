@@ -68,3 +68,30 @@ def media(batch: dict[str, torch.Tensor], modality: str) -> dict[str, torch.Tens
         if key.startswith(prefix) and not is_token_aligned(key):
             out[key[len(prefix):]] = value
     return out
+
+
+def whole_rows(cu_seqlens: torch.Tensor, rows: int, real_tokens: torch.Tensor | None) -> bool:
+    """Whether every one of ``rows`` equal rows holds a single document followed only by
+    padding, read from a batch's (host) ``cu_seqlens`` and ``real_tokens``.
+
+    Padding forms the last document of its row, so rows of at most two documents qualify when
+    their first documents together hold every real token.
+    """
+    if real_tokens is None or rows < 1 or cu_seqlens.device.type != "cpu":
+        return False
+    bounds = cu_seqlens.tolist()
+    if bounds[-1] % rows:
+        return False
+    row_len = bounds[-1] // rows
+    per_row = [0] * rows
+    firsts = 0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        r = start // row_len
+        if end > (r + 1) * row_len:
+            return False  # not this contract's layout
+        if start == r * row_len:
+            firsts += end - start
+        per_row[r] += 1
+    return max(per_row) <= 2 and firsts == int(real_tokens)

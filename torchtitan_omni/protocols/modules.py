@@ -31,6 +31,10 @@ class AttentionMeta:
     max_seqlen: int
     position_ids: torch.Tensor
     causal: bool = True
+    #: every row is one document followed only by padding: causal attention over whole rows
+    #: is then exact for every real token (it never looks ahead into the padding), and runs on
+    #: the fastest dense kernel (``torchtitan_omni.modules.attention``)
+    whole_rows: bool = False
     #: generation only: a ``torchtitan_omni.modules.attention.KVCache``; each row of the batch
     #: is then one sequence (no packing), and keys/values are appended to the cache
     kv_cache: object | None = None

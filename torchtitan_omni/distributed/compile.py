@@ -1,0 +1,72 @@
+"""``torch.compile`` of the omni model's blocks and of its loss kernel (TorchTitan's ``[compile]``).
+
+``components = ["model"]`` compiles every repeated block of every part (the plan's
+``ac_units``: the LLM's layers, each encoder's blocks), one block at a time as TorchTitan
+does, after activation checkpointing and before FSDP: the compiled region is the block's
+forward with its checkpoint (so selective per-op AC is traced too), while FSDP's all-gathers
+and reduce-scatters stay outside it. Blocks of one class share their graphs.
+
+Shapes vary from batch to batch (packed rows are padded to a multiple of
+``data.pad_multiple``, media counts change): the first batch compiles static shapes and the
+first change marks the varying sizes dynamic, so a job compiles each block class two or three
+times and never again. :func:`compiled_graphs` counts the compilations; the trainer logs
+them (``compile/graphs``).
+
+A block class whose forward cannot be one graph declares ``compile_fullgraph = False``
+(e.g. MoE blocks: routing statistics and expert-parallel split sizes live on the host); it is
+then compiled in pieces with graph breaks.
+
+``components = ["loss"]`` compiles the elementwise kernel of the chunked text-head loss
+(``torchtitan_omni.modules.linear_cross_entropy``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from torchtitan_omni.modules.linear_cross_entropy import LinearHead, loss_and_logit_grad
+
+_MARK = "_omni_compiled"
+
+#: compiled code objects are shared by all blocks that run the same forward (the
+#: activation-checkpoint wrapper's closure is one code object for every part), so the per-code
+#: cache must hold every part's graphs and their dynamic-shape variants
+CACHE_SIZE_LIMIT = 64
+
+
+def compile_units(units: list[nn.Module], backend: str) -> int:
+    """Compile each unit's forward in place (names and FSDP hooks unchanged); returns the count."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                CACHE_SIZE_LIMIT)
+    for unit in units:
+        if getattr(unit, _MARK, False):
+            raise ValueError(f"{type(unit).__name__} is compiled twice")
+        fullgraph = getattr(unit, "compile_fullgraph", True)
+        # The instance's forward (possibly the activation-checkpoint wrapper): __call__ and its
+        # FSDP hooks stay eager.
+        unit.forward = torch.compile(unit.forward, backend=backend, fullgraph=fullgraph)
+        setattr(unit, _MARK, True)
+    return len(units)
+
+
+def compile_loss_heads(model: nn.Module, backend: str) -> int:
+    """Use a compiled chunk kernel in every ``LinearHead``; returns how many heads."""
+    kernel = torch.compile(loss_and_logit_grad, backend=backend)
+    heads = [m for m in model.modules() if isinstance(m, LinearHead)]
+    for head in heads:
+        head.loss_kernel = kernel
+    return len(heads)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :func:`compile_units` compiled ``module``."""
+    return getattr(module, _MARK, False)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled so far in this process: one per compilation (first or
+    recompile) of each compiled piece. Constant after the first few steps: no recompile storm."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))

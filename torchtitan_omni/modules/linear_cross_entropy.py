@@ -1,0 +1,115 @@
+"""Summed cross-entropy of a linear head without materializing the logits of every position.
+
+A text head of a 128K vocabulary turns 8K labelled positions into 1 G logits: 2 GiB in bf16,
+4 GiB more once upcast for the softmax, and as much again for their gradient.
+:func:`linear_cross_entropy` instead walks the rows in chunks: each chunk's logits are
+computed, reduced to the chunk's loss, and turned into the gradients of the hidden states and
+of the head's weight right away (the softmax minus the one-hot targets, times the weight or
+the hidden states), so only one chunk of logits ever exists and backward has nothing left to
+recompute. The matrix products are the three an unfused head does (logits, input gradient,
+weight gradient); the weight gradient accumulates in float32.
+
+``loss_and_logit_grad`` is the elementwise part of one chunk (log-sum-exp, target pick,
+softmax gradient); ``torch.compile`` fuses it into a couple of kernels when the job compiles
+its loss (``[compile] components = ["loss"]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+#: bytes of float32 logits one chunk may hold (the chunk's row count follows from the vocabulary)
+CHUNK_BYTES = 1 << 29
+
+ChunkKernel = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def loss_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of ``logits`` ``[C, V]`` for ``targets`` ``[C]``, and its gradient
+    with respect to the logits (``softmax - one_hot``), in the logits' dtype."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, targets.unsqueeze(1)).squeeze(1)
+    loss = (lse - picked).sum()
+    grad = torch.exp(x - lse.unsqueeze(1))
+    grad = grad.scatter_add(1, targets.unsqueeze(1), -torch.ones_like(picked).unsqueeze(1))
+    return loss, grad.to(logits.dtype)
+
+
+def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Rows per chunk so that one chunk's float32 logits stay within ``chunk_bytes``."""
+    return max(1, chunk_bytes // (4 * vocab_size))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, rows: int, kernel: ChunkKernel):
+        needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if needs_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_w else None
+        grad_b = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+                  if needs_b and bias is not None else None)
+        for start in range(0, hidden.shape[0], rows):
+            h = hidden[start:start + rows]
+            chunk_loss, g = kernel(F.linear(h, weight, bias), targets[start:start + rows])
+            loss = loss + chunk_loss
+            if grad_h is not None:
+                grad_h[start:start + rows] = g @ weight
+            if grad_w is not None:
+                grad_w += (g.t() @ h).float()
+            if grad_b is not None:
+                grad_b += g.sum(0).float()
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.dtypes
+        scale = grad_loss.float()
+        dh = (grad_h * scale.to(grad_h.dtype)) if grad_h is not None else None
+        dw = (grad_w * scale).to(w_dtype) if grad_w is not None else None
+        db = (grad_b * scale).to(b_dtype) if grad_b is not None else None
+        return dh, dw, db, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+    bias: torch.Tensor | None = None, *, rows: int | None = None,
+    kernel: ChunkKernel = loss_and_logit_grad,
+) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, targets, reduction="sum")`` in float32,
+    computed chunk by chunk (see the module docstring). ``hidden`` ``[N, D]``, ``weight``
+    ``[V, D]``, ``targets`` ``[N]`` int64 in ``[0, V)`` (no ignored positions: pass only the
+    labelled rows)."""
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"linear_cross_entropy wants hidden [N, D] and targets [N], got "
+                         f"{tuple(hidden.shape)} and {tuple(targets.shape)}")
+    if hidden.shape[0] == 0:
+        # keeps the graph connected (zero gradients) so every rank runs the same backward
+        return (hidden.sum() * 0.0 + weight.sum() * 0.0).float()
+    rows = rows or chunk_rows(weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, rows, kernel)
+
+
+class LinearHead(nn.Linear):
+    """A linear output head that also returns its summed cross-entropy without keeping the
+    logits: ``head(x)`` gives logits, ``head(x, targets)`` the loss (float32 scalar).
+
+    Going through ``__call__`` in both cases lets FSDP gather the weight first; the parameter
+    names stay those of ``nn.Linear`` (checkpoints and Hugging Face maps are unchanged).
+    """
+
+    #: the chunk kernel; ``torchtitan_omni.distributed.compile`` swaps in a compiled one
+    loss_kernel: ChunkKernel = staticmethod(loss_and_logit_grad)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return linear_cross_entropy(x, self.weight, targets, self.bias, kernel=self.loss_kernel)
