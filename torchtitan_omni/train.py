@@ -34,6 +34,7 @@ from torchtitan.train import Trainer
 from torchtitan_omni.checkpoint import setup_checkpointing
 from torchtitan_omni.config.manager import ConfigError, parse_job_config_or_exit
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS
+from torchtitan_omni.components.quantization import add_omni_float8_filters
 from torchtitan_omni.distributed.compile import compiled_graphs
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.sequence import shard_sequence
@@ -51,7 +52,10 @@ class OmniTrainer(Trainer):
     """TorchTitan's trainer for omni batches (see the module docstring)."""
 
     def __init__(self, job_config: JobConfig) -> None:
+        float8 = add_omni_float8_filters(job_config)
         super().__init__(job_config)
+        if float8:
+            logger.info(f"Float8 linears in the foundation's blocks; left in bf16: {float8}")
         # Crash-safe, reshardable checkpoints and weights.sources (torchtitan_omni.checkpoint).
         setup_checkpointing(self)
         if is_cpu():

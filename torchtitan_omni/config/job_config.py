@@ -77,9 +77,10 @@ class Omni:
     moe_aux_loss_weight: float = 0.001
     """Weight of the MoE load-balancing loss (Qwen3-MoE's router_aux_loss_coef)."""
 
-    encoder_activation_checkpoint: Literal["none", "full"] = "none"
+    encoder_activation_checkpoint: Literal["none", "full", "op"] = "none"
     """Activation checkpointing of encoder and decoder blocks ([activation_checkpoint] covers
-    the LLM)."""
+    the LLM): "full" recomputes each block in backward, "op" saves the outputs of its matrix
+    products and attention and recomputes the rest (TorchTitan's selective per-op AC)."""
 
     init_seed: int = 0
     """Seed of the layout-invariant random initialization of weights that are not loaded."""

@@ -4,7 +4,8 @@ The LLM's units (the plan's ``ac_units`` of the ``llm`` part) follow TorchTitan'
 ``[activation_checkpoint]``: ``mode = "none" | "full" | "selective"``, where selective takes
 ``selective_ac_option`` = N (every N-th unit, counted per part) or ``"op"`` (every unit, saving
 the outputs of matmuls and attention and recomputing the rest). Encoder and decoder units
-follow ``omni.encoder_activation_checkpoint`` (``"none" | "full"``).
+follow ``omni.encoder_activation_checkpoint`` (``"none" | "full" | "op"``, the last being the
+per-op selective mode).
 
 The unit's ``forward`` is replaced (instance attribute) by one that runs the original through
 ``torch.utils.checkpoint.checkpoint`` (non-reentrant): parameter names, hence the

@@ -23,7 +23,9 @@ import fnmatch
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+)
 from torch.distributed.tensor import Shard
 
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
@@ -136,6 +138,16 @@ def _sum_reductions(model: nn.Module) -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
 
+def _prefetch_next_block(model: nn.Module, part: PartLayout) -> None:
+    # Each block starts the all-gather of the next one as its own forward begins, so the
+    # gather overlaps compute even when the host is not far ahead of the GPU (short encoder
+    # blocks). Backward prefetch is FSDP2's default.
+    blocks = [m for _, m in matching_modules(model, part.root, part.ac_units)
+              if isinstance(m, FSDPModule)]
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
+
+
 def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
                job_config: JobConfig, expert_names: list[str] = ()) -> dict[str, str]:
     """FSDP2 per part (see the module docstring); returns each part's mesh choice."""
@@ -145,12 +157,16 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
     mp = mixed_precision(job_config)
     reshard = job_config.parallelism.fsdp_reshard_after_forward != "never"
     fp32 = matching_modules(model, "", plan.fp32_modules)
+    # training.enable_cpu_offload: sharded parameters, gradients and optimizer state live in
+    # host memory; each unit's parameters come to the GPU for its forward and backward only
+    offload = CPUOffloadPolicy() if job_config.training.enable_cpu_offload else OffloadPolicy()
 
     def shard(module: nn.Module, mesh, **kwargs) -> None:
         if isinstance(module, FSDPModule):
             return  # already a unit (e.g. an fp32 module that is also listed as a unit)
         policy = _fp32_policy(mp) if any(module is m for _, m in fp32) else mp
-        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, **kwargs)
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard,
+                    offload_policy=offload, **kwargs)
 
     if expert_names:
         emesh = dims.expert_mesh()
@@ -174,10 +190,12 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
         for _, module in matching_modules(model, part.root, part.fsdp_units):
             shard(module, mesh)
         shard(root, mesh)
+        _prefetch_next_block(model, part)
         choices[part.root] = choice
     for _, module in fp32:
         shard(module, default_mesh)  # fp32 modules outside every part
-    fully_shard(model, mesh=default_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=default_mesh, mp_policy=mp, reshard_after_forward=False,
+                offload_policy=offload)
     _sum_reductions(model)
     return choices
 
@@ -194,7 +212,9 @@ def apply_activation_checkpointing(model: nn.Module, plan: OmniParallelPlan, job
             n = checkpoint_units(units, ac.mode, str(ac.selective_ac_option),
                                  preserve_rng_state=ac.preserve_rng_state)
         else:
-            n = checkpoint_units(units, job_config.omni.encoder_activation_checkpoint)
+            mode = job_config.omni.encoder_activation_checkpoint
+            n = (checkpoint_units(units, "selective", "op") if mode == "op"
+                 else checkpoint_units(units, mode))
         if n:
             done[part.root] = n
     return done

@@ -78,9 +78,8 @@ class UlyssesRunner:
 
     def __call__(self, attn: nn.Module, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         rep = self._check(attn, meta, x.shape[1])
-        q = attn.project(x, "q", meta)
-        k = _repeat_kv(attn.project(x, "k", meta), rep)
-        v = _repeat_kv(attn.project(x, "v", meta), rep)
+        q, k, v = attn.project_qkv(x, meta)
+        k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
         q, k, v = (all_to_all(t, HEAD_DIM, SEQ_DIM, self.group) for t in (q, k, v))
         o = attn.core(q, k, v, meta)
         o = all_to_all(o, SEQ_DIM, HEAD_DIM, self.group)

@@ -68,6 +68,13 @@ class FusedQKVAttention(SelfAttention):
             out = self.rope(out, meta.position_ids)
         return out
 
+    def project_qkv(self, x: torch.Tensor, meta: AttentionMeta) -> tuple[torch.Tensor, ...]:
+        """One GEMM for q, k and v, then RoPE on q and k."""
+        q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.head_dim)).unbind(-3)
+        if self.rope is not None:
+            q, k = self.rope(q, meta.position_ids), self.rope(k, meta.position_ids)
+        return q, k, v
+
     def init_weights(self, std: float, out_std: float | None = None) -> None:
         """Truncated-normal ``qkv`` and ``wo`` (``out_std`` for ``wo``), zero biases."""
         init.trunc_normal_(self.qkv.weight, std=std)

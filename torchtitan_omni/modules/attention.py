@@ -179,7 +179,7 @@ def _cached_attention(q, k, v, causal: bool) -> torch.Tensor:
 
 def run_local(attn: "SelfAttention", x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
     """Single-rank attention: project, attend within documents (or over the KV cache), project out."""
-    q, k, v = attn.project(x, "q", meta), attn.project(x, "k", meta), attn.project(x, "v", meta)
+    q, k, v = attn.project_qkv(x, meta)
     if meta.kv_cache is not None:
         k, v = meta.kv_cache.append(attn, k, v)
         o = _cached_attention(q, k, v, attn.causal and meta.causal)
@@ -233,6 +233,10 @@ class SelfAttention(nn.Module):
         if self.rope is not None:
             out = self.rope(out, meta.position_ids)
         return out
+
+    def project_qkv(self, x: torch.Tensor, meta: AttentionMeta) -> tuple[torch.Tensor, ...]:
+        """q, k and v at once (modules with one fused projection override it: one GEMM)."""
+        return self.project(x, "q", meta), self.project(x, "k", meta), self.project(x, "v", meta)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """Attention over the full packed sequence: ``[B, S, H, D]`` in and out."""
