@@ -114,8 +114,9 @@ def _expert_placements(model, ref, dims, cfg, grads, batches):
 
 
 def _split_extra(model, ref, dims, cfg, grads, batches):
-    enc = model.encoders["vision"]
-    return {"split_installed": "partial" in type(enc.__dict__.get("forward")).__name__}
+    from torchtitan_omni.distributed.encoder_sp import SplitMediaEncoder
+
+    return {"split_installed": isinstance(model.encoders["vision"], SplitMediaEncoder)}
 
 
 # ----------------------------------------------------------------- 2 ranks

@@ -7,8 +7,9 @@ the outputs of matmuls and attention and recomputing the rest). Encoder and deco
 follow ``omni.encoder_activation_checkpoint`` (``"none" | "full" | "op"``, the last being the
 per-op selective mode).
 
-The unit's ``forward`` is replaced (instance attribute) by one that runs the original through
-``torch.utils.checkpoint.checkpoint`` (non-reentrant): parameter names, hence the
+A checkpointed unit gets :class:`Checkpointed` first in its class
+(``torchtitan_omni.distributed.wrapping.extend_class``), whose ``forward`` runs the unit's own
+through ``torch.utils.checkpoint.checkpoint`` (non-reentrant): parameter names, hence the
 layout-invariant init and checkpoints, stay the same with and without AC, and FSDP's hooks
 (which live in ``__call__``) stay outside the checkpointed region, so the recomputation neither
 re-gathers parameters nor confuses per-op SAC (as PyTorch's composable ``checkpoint`` would:
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-_MARK = "_omni_activation_checkpoint"
+from torchtitan_omni.distributed.wrapping import extend_class
 
 _SAVE_OPS = {
     "mm", "addmm", "bmm", "baddbmm", "_grouped_mm",
@@ -76,18 +77,22 @@ def checkpoint_units(units: list[nn.Module], mode: str, option: str = "1", *,
     return wrapped
 
 
+class Checkpointed(nn.Module):
+    """Mixin: the unit's forward under ``torch.utils.checkpoint`` (options in
+    ``_omni_checkpoint_options``)."""
+
+    _omni_checkpoint_options: dict
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(super().forward, *args, **self._omni_checkpoint_options, **kwargs)
+
+
 def _checkpoint_forward(unit: nn.Module, kwargs: dict) -> None:
-    if getattr(unit, _MARK, False):
+    if isinstance(unit, Checkpointed):
         raise ValueError(f"{type(unit).__name__} is activation-checkpointed twice")
-    inner = unit.forward
-
-    def forward(*args, **kw):
-        return checkpoint(inner, *args, **kwargs, **kw)
-
-    unit.forward = forward
-    setattr(unit, _MARK, True)
+    extend_class(unit, Checkpointed, _omni_checkpoint_options=kwargs)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether :func:`checkpoint_units` checkpointed ``module``."""
-    return getattr(module, _MARK, False)
+    return isinstance(module, Checkpointed)

@@ -2,7 +2,8 @@
 
 ``components = ["model"]`` compiles every repeated block of every part (the plan's
 ``ac_units``: the LLM's layers, each encoder's blocks), one block at a time as TorchTitan
-does, after activation checkpointing and before FSDP: the compiled region is the block's
+does, after activation checkpointing and before FSDP (a :class:`Compiled` mixin, see
+``torchtitan_omni.distributed.wrapping``): the compiled region is the block's
 forward with its checkpoint (so selective per-op AC is traced too), while FSDP's all-gathers
 and reduce-scatters stay outside it. Blocks of one class share their graphs.
 
@@ -25,28 +26,36 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from torchtitan_omni.distributed.wrapping import extend_class
 from torchtitan_omni.modules.linear_cross_entropy import LinearHead, loss_and_logit_grad
 
-_MARK = "_omni_compiled"
-
-#: compiled code objects are shared by all blocks that run the same forward (the
-#: activation-checkpoint wrapper's closure is one code object for every part), so the per-code
-#: cache must hold every part's graphs and their dynamic-shape variants
+#: compiled code objects are shared by all blocks that run the same forward (one mixin's
+#: ``forward`` serves every part), so the per-code cache must hold every part's graphs and
+#: their dynamic-shape variants
 CACHE_SIZE_LIMIT = 64
 
 
+class Compiled(nn.Module):
+    """Mixin: the unit's forward (with its activation checkpoint, if any) as compiled by
+    ``torch.compile``; FSDP's hooks in ``__call__`` stay outside the compiled region."""
+
+    _omni_compiled_forward: object
+
+    def forward(self, *args, **kwargs):
+        return self._omni_compiled_forward(*args, **kwargs)
+
+
 def compile_units(units: list[nn.Module], backend: str) -> int:
-    """Compile each unit's forward in place (names and FSDP hooks unchanged); returns the count."""
+    """Compile each unit's forward (names and FSDP hooks unchanged); returns the count."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                 CACHE_SIZE_LIMIT)
     for unit in units:
-        if getattr(unit, _MARK, False):
+        if isinstance(unit, Compiled):
             raise ValueError(f"{type(unit).__name__} is compiled twice")
         fullgraph = getattr(unit, "compile_fullgraph", True)
-        # The instance's forward (possibly the activation-checkpoint wrapper): __call__ and its
-        # FSDP hooks stay eager.
-        unit.forward = torch.compile(unit.forward, backend=backend, fullgraph=fullgraph)
-        setattr(unit, _MARK, True)
+        inner = unit.forward  # the class's forward as it is now (possibly checkpointed)
+        extend_class(unit, Compiled, _omni_compiled_forward=torch.compile(
+            inner, backend=backend, fullgraph=fullgraph))
     return len(units)
 
 
@@ -61,7 +70,7 @@ def compile_loss_heads(model: nn.Module, backend: str) -> int:
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether :func:`compile_units` compiled ``module``."""
-    return getattr(module, _MARK, False)
+    return isinstance(module, Compiled)
 
 
 def compiled_graphs() -> int:
