@@ -60,3 +60,22 @@ def test_chunk_rows_bounds_the_logits():
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="hidden \\[N, D\\] and targets \\[N\\]"):
         linear_cross_entropy(torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_projector_head_loss_matches_its_logits(depth):
+    from torchtitan_omni.encoders.projector import MLPProjector
+
+    torch.manual_seed(depth)
+    head = MLPProjector(12, 30, hidden_dim=20, depth=depth).double()
+    for layer in head.layers:
+        torch.nn.init.normal_(layer.bias, std=0.1)
+    x = torch.randn(17, 12, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 30, (17,))
+    ref = F.cross_entropy(head(x), t, reduction="sum")
+    ref_grads = torch.autograd.grad(ref, [x, *head.parameters()])
+    loss = head(x, t)
+    grads = torch.autograd.grad(loss, [x, *head.parameters()])
+    torch.testing.assert_close(loss.double(), ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r)

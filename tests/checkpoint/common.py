@@ -78,14 +78,17 @@ def text_logits(model, dims, tokens: torch.Tensor, doc_len: int) -> torch.Tensor
     sp_rank = dims.get_mesh("sp").get_local_rank() if sp > 1 else 0
     batch, labels = shard_sequence(batch, labels, sp_rank, sp)
     captured = []
-    handle = model.llm.output.register_forward_hook(lambda m, i, o: captured.append(o.detach()))
+    # the head's input: the final hidden states of every (labelled) position; the head then
+    # gives their logits (in training it returns the loss without keeping them)
+    handle = model.llm.output.register_forward_hook(lambda m, i, o: captured.append(i[0]))
     try:
         meta = AttentionMeta(bounds, doc_len, batch[B.POSITION_IDS])
         with torch.no_grad():
             model(batch[B.INPUT], meta, labels)
+            logits = model.llm.output(captured[0])
     finally:
         handle.remove()
-    return captured[0].reshape(b, s // sp, -1)
+    return logits.reshape(b, s // sp, -1)
 
 
 def dcp_tensors(path: str) -> dict[str, torch.Tensor]:

@@ -8,8 +8,8 @@ Janus-Pro's (VQ-16, code embedding of dimension 8, aligner and head of the LLM w
 - ``encode_targets({"pixels": [n, 3, S, S]})``: VQ codes of the target images, flattened
   ``[n * h * w]`` (image by image, raster order), without gradients.
 - ``lm_embed(ids)``: ``aligner`` = code embedding (Janus' ``gen_embed``) + MLP (``gen_aligner``).
-- ``logits(hidden)``: ``head`` = MLP to codebook scores (``gen_head``); ``lm_head`` is the
-  inherited summed cross-entropy.
+- ``logits(hidden)``: ``head`` = MLP to codebook scores (``gen_head``); ``lm_head`` the summed
+  cross-entropy, computed by the head chunk by chunk.
 - ``lm_generate(ids [n, h * w])``: VQ decode to images in ``[-1, 1]``.
 
 Parallel plan: ``aligner`` and ``head`` are FSDP units. ``vq`` is frozen (``requires_grad``
@@ -111,6 +111,10 @@ class GenImageDecoder(OmniDecoder):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
+
+    def lm_head(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # the head's last linear and the loss in chunks: no [N, codebook] logits kept
+        return self.head(hidden, targets)
 
     def lm_generate(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

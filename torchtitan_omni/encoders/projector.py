@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_omni.modules import init
+from torchtitan_omni.modules.linear_cross_entropy import linear_cross_entropy
 
 
 class MLPProjector(nn.Module):
@@ -31,11 +32,17 @@ class MLPProjector(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
         self.approximate = approximate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.layers[0](x)
-        for layer in self.layers[1:]:
-            x = layer(F.gelu(x, approximate=self.approximate))
-        return x
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The output, or with ``targets`` the summed cross-entropy of the output taken as
+        logits, computed chunk by chunk without keeping them (a prediction head)."""
+        *hidden, last = self.layers
+        for i, layer in enumerate(hidden):
+            x = layer(x if i == 0 else F.gelu(x, approximate=self.approximate))
+        if hidden:
+            x = F.gelu(x, approximate=self.approximate)
+        if targets is None:
+            return last(x)
+        return linear_cross_entropy(x, last.weight, targets, last.bias)
 
     def init_weights(self, std: float = 0.02) -> None:
         """Truncated-normal weights, zero biases."""
