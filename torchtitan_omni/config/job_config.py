@@ -82,6 +82,11 @@ class Omni:
     the LLM): "full" recomputes each block in backward, "op" saves the outputs of its matrix
     products and attention and recomputes the rest (TorchTitan's selective per-op AC)."""
 
+    activation_offload: bool = False
+    """Keep the LLM blocks' saved activations in pinned host memory between forward and
+    backward (torchtitan_omni.distributed.activation_offload): longer sequences fit on the GPU,
+    steps slow down by the host copies."""
+
     init_seed: int = 0
     """Seed of the layout-invariant random initialization of weights that are not loaded."""
 

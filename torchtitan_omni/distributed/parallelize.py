@@ -8,7 +8,8 @@ Order (each step reads the spec's ``OmniParallelPlan``):
 3. expert parallel on the plan's ``experts`` modules (``ep`` mesh, all-to-all dispatcher);
 4. activation checkpointing of each part's ``ac_units``;
 5. ``torch.compile`` of the same blocks and of the loss kernel (``[compile]``,
-   ``torchtitan_omni.distributed.compile``);
+   ``torchtitan_omni.distributed.compile``), then activation offload of the LLM's blocks
+   (``omni.activation_offload``);
 6. FSDP2: experts over the expert mesh, then each part's units and the part over the part's
    mesh, then the root. Every reduction is a plain sum (the loss is already divided by the
    global target count; gloo has no AVG/PREMUL_SUM).
@@ -32,6 +33,7 @@ from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.tools.logging import logger
 
 from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+from torchtitan_omni.distributed.activation_offload import offload_activations
 from torchtitan_omni.distributed.compile import compile_loss_heads, compile_units
 from torchtitan_omni.distributed.encoder_sp import install_split_encoders
 from torchtitan_omni.distributed.expert_parallel import apply_expert_parallel
@@ -275,6 +277,11 @@ def parallelize_omni(model: nn.Module, parallel_dims: OmniParallelDims, job_conf
     compiled = apply_compile(model, plan, job_config)
     if compiled:
         logger.info("torch.compile: " + ", ".join(f"{k}: {v}" for k, v in compiled.items()))
+
+    if job_config.omni.activation_offload:
+        # outside the compiled region: the hooks see what the compiled block saves
+        blocks = [m for _, m in matching_modules(model, "llm", plan.part("llm").ac_units)]
+        logger.info(f"Activation offload to host memory: {offload_activations(blocks)} LLM blocks")
 
     choices = apply_fsdp(model, plan, dims, job_config, expert_names)
     if choices:
