@@ -264,3 +264,12 @@ def test_fixed_length_and_token_budget(dataset):
         assert b[B.INPUT].numel() <= 128
         assert len(b[B.CU_SEQLENS]) - 1 <= 2 * b[B.INPUT].shape[0]  # one document (+ pad) per row
     assert len({b[B.INPUT].shape[0] for b, _ in budget}) > 1  # rows vary with lengths
+
+
+def test_auto_workers():
+    from torchtitan_omni.data.loader import auto_workers
+
+    assert auto_workers(16, 1, on_gpu=True) == 4
+    assert auto_workers(32, 8, on_gpu=True) == 3
+    assert auto_workers(2, 2, on_gpu=True) == 0
+    assert auto_workers(64, 1, on_gpu=False) == 0

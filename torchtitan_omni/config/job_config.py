@@ -47,9 +47,10 @@ class DataLoader:
     patchified in loader workers, off the training step's critical path."""
 
     num_workers: int = AUTO_WORKERS
-    """Loader worker processes per rank; -1 (default): sized from the CPU cores per local rank
-    (``torchtitan_omni.data.loader.auto_workers``: up to 4, none on a machine with a core or
-    less per rank); 0: load in the training process."""
+    """Loader worker processes per rank; -1 (default): on GPU runs sized from the CPU cores per
+    local rank (``torchtitan_omni.data.loader.auto_workers``: up to 4, none with a core or less
+    per rank), none on CPU runs (training computes on every core); 0: load in the training
+    process."""
 
     pin_memory: bool = True
     """Page-locked batches, so the copy to the GPU does not block the host (CUDA runs; a

@@ -16,8 +16,6 @@ import pickle
 from dataclasses import asdict
 from typing import Any
 
-import torch
-
 from torchdata.stateful_dataloader.incremental_state import _DATASET_STATE
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
@@ -29,6 +27,7 @@ from torchtitan_omni.data.document import DocumentEncoder
 from torchtitan_omni.data.packing import BatchPlan
 from torchtitan_omni.data.processors import build_processors
 from torchtitan_omni.data.source import RowSource, find_files
+from torchtitan_omni.platform import is_cpu
 from torchtitan_omni.protocols.batch import MODALITIES
 
 
@@ -167,10 +166,15 @@ def check_data_config(data, seq_len: int) -> None:
         raise ValueError(f"training.seq_len={seq_len} is too short for any sample")
 
 
-def auto_workers(cpu_count: int | None = None, local_ranks: int | None = None) -> int:
-    """Loader workers per rank for ``num_workers = -1``: the cores each local rank has, less
-    one for the training process, at most 4 (more rarely pays: a worker decodes a batch in
-    tens of milliseconds, a step takes hundreds)."""
+def auto_workers(cpu_count: int | None = None, local_ranks: int | None = None,
+                 on_gpu: bool | None = None) -> int:
+    """Loader workers per rank for ``num_workers = -1``. GPU runs: the cores each local rank
+    has, less one for the training process, at most 4 (more rarely pays: a worker decodes a
+    batch in tens of milliseconds, a step takes hundreds). CPU runs: none, since the training
+    processes compute on every core and a worker would only take cores from them."""
+    on_gpu = (not is_cpu()) if on_gpu is None else on_gpu
+    if not on_gpu:
+        return 0
     cpu_count = cpu_count or os.cpu_count() or 1
     local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(0, min(4, cpu_count // max(1, local_ranks) - 1))
@@ -183,7 +187,7 @@ def resolved_loader_options(options) -> dict[str, Any]:
     kwargs = asdict(options)
     if kwargs["num_workers"] < 0:
         kwargs["num_workers"] = auto_workers()
-    kwargs["pin_memory"] = bool(kwargs["pin_memory"]) and torch.cuda.is_available()
+    kwargs["pin_memory"] = bool(kwargs["pin_memory"]) and not is_cpu()
     if kwargs["num_workers"] == 0:
         kwargs["persistent_workers"] = False
         kwargs["prefetch_factor"] = None
