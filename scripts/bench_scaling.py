@@ -60,7 +60,10 @@ class Point:
         return f"data/long_context/{stem}_{self.seq_len // 1024}k"
 
     def command(self) -> list[str]:
+        # The LR warm-up is cut to the run's length (TorchTitan would do the same; torchtitan-omni
+        # refuses a warm-up longer than the schedule): the same learning rates either way.
         common = ["--training.seq_len", str(self.seq_len), "--training.steps", str(self.steps),
+                  "--lr_scheduler.warmup_steps", str(self.steps),
                   "--metrics.log_freq", "1", "--training.local_batch_size", "1"]
         if self.stock:
             return ["torchrun", f"--nproc_per_node={self.ngpu}", "--rdzv_backend", "c10d",

@@ -18,7 +18,8 @@ CONFIG = "train_configs/janus_debug.toml"
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     dump = tmp_path_factory.mktemp("janus_gen")
-    run = run_train(CONFIG, 1, "--training.steps", "3", "--checkpoint.enable",
+    run = run_train(CONFIG, 1, "--training.steps", "3", "--lr_scheduler.warmup_steps", "3",
+                    "--checkpoint.enable",
                     "--checkpoint.interval", "3", "--job.dump_folder", str(dump))
     assert run.returncode == 0, run.output[-3000:]
     return dump

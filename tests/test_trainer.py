@@ -1,7 +1,9 @@
 """The trainer end to end on synthetic documents: losses go down, determinism, and the
 one-line config errors."""
 
+import os
 import subprocess
+import sys
 
 import pytest
 
@@ -41,6 +43,29 @@ def _one_error_line(proc):
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     return lines[0]
+
+
+def _train_entry(args):
+    """``python3 -m torchtitan_omni.train`` itself (no launcher, no pre-check), one process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "NGPU")}
+    return subprocess.run(
+        [sys.executable, "-m", "torchtitan_omni.train", "--job.config_file",
+         "train_configs/llama_omni_debug.toml", *args],
+        cwd=REPO, capture_output=True, text=True, env=env,
+    )
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--validation.enable"], "validation.enable = true is not supported by torchtitan-omni: "
+                              "in-training validation is not implemented yet (issue 14)"),
+    (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+     'parallelism.pipeline_parallel_schedule = "Interleaved1F1B" is not supported'),
+])
+def test_refused_key_through_the_trainer_entry(args, reason):
+    # Keys the omni trainer does not honour (torchtitan_omni/config/unsupported.py) stop it
+    # before anything starts, with one line.
+    line = _one_error_line(_train_entry(args))
+    assert line.startswith("torchtitan-omni: config error: ") and reason in line
 
 
 def test_misspelled_cli_key(tmp_path):
@@ -90,6 +115,7 @@ def test_runtime_input_error_is_one_line(tmp_path):
     empty = tmp_path / "empty_ckpt"
     empty.mkdir()
     proc = _check(["--weights.sources", f"llm={empty}", "--training.steps", "1",
+                   "--lr_scheduler.warmup_steps", "1",
                    "--job.dump_folder", str(tmp_path / "out")])
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr

@@ -14,7 +14,6 @@ Run as ``python -m torchtitan_omni.train --job.config_file CONFIG [--section.key
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections import defaultdict
@@ -32,7 +31,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
 from torchtitan_omni.checkpoint import setup_checkpointing
-from torchtitan_omni.config.manager import ConfigError, parse_job_config_or_exit
+from torchtitan_omni.config.manager import parse_job_config_or_exit
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS
 from torchtitan_omni.components.quantization import add_omni_float8_filters
 from torchtitan_omni.distributed.compile import compiled_graphs
@@ -218,8 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         trainer = OmniTrainer(config)
         if config.checkpoint.create_seed_checkpoint:
-            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-                raise ConfigError("checkpoint.create_seed_checkpoint needs a single process")
+            # checkpoint.enable and a single process were checked at start-up
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
             trainer.train()

@@ -18,7 +18,8 @@ CASES = {
 
 
 def _run(config, ngpu, tag, *extra):
-    args = ("--training.steps", str(STEPS), "--debug.deterministic", "--debug.seed", "42",
+    args = ("--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", str(STEPS),
+            "--debug.deterministic", "--debug.seed", "42",
             "--job.dump_folder", f"outputs/test_parallel_{tag}", *extra)
     run = run_train(config, ngpu, *args)
     assert run.returncode == 0, run.output[-4000:]

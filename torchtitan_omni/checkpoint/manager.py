@@ -112,17 +112,8 @@ class OmniCheckpointManager(CheckpointManager):
     def __init__(self, *, dataloader, model_parts, optimizers, lr_schedulers, states,
                  checkpoint_config, sd_adapter, base_folder: str, parallel_dims,
                  ft_manager=None) -> None:
-        if checkpoint_config.enable and checkpoint_config.last_save_in_hf:
-            raise CheckpointFormatError(
-                "checkpoint.last_save_in_hf is not supported by torchtitan-omni: export with "
-                "scripts/convert_checkpoint.py dcp-to-hf (the LLM, encoders and decoders each "
-                "get a Hugging Face folder)"
-            )
-        if checkpoint_config.enable and checkpoint_config.initial_load_in_hf:
-            raise CheckpointFormatError(
-                "checkpoint.initial_load_in_hf is not supported by torchtitan-omni: give each "
-                "part's Hugging Face folder in weights.sources, e.g. 'llm=/ckpt/Llama-3-8B'"
-            )
+        # last_save_in_hf / initial_load_in_hf are refused at start-up
+        # (torchtitan_omni.config.unsupported).
         self.parallel_dims = parallel_dims
         self.layout = layout_of(parallel_dims)
         self.rank = dist.get_rank() if dist.is_initialized() else 0

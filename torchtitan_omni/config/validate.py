@@ -1,9 +1,11 @@
 """Start-up checks of a parsed ``JobConfig``: impossible combinations fail with one line.
 
-Checked here, before any process group or model exists: the parallel degrees against the
-world size, parallelisms torchtitan-omni does not provide, the model name and flavor, and the
-model-dependent constraints the spec's model args declare (``validate_parallelism``: Ulysses
-degree vs. attention heads, expert-parallel degree vs. experts).
+Checked here, before any process group or model exists: every TorchTitan key against the
+table of what the omni trainer honours (``torchtitan_omni.config.unsupported``: refused keys,
+then value checks), the parallel degrees against the world size, torchtitan-omni's own
+sections, the model name and flavor, and the model-dependent constraints the spec's model args
+declare (``validate_parallelism``: Ulysses degree vs. attention heads, expert-parallel degree
+vs. experts).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 from torchtitan.config import JobConfig
 
 from torchtitan_omni.config.manager import ConfigError
+from torchtitan_omni.config.unsupported import check_values, refuse_unsupported
+from torchtitan_omni.config.values import Context
 
 
 def world_size_from_env() -> int:
@@ -69,43 +73,9 @@ def resolved_degrees(cfg: JobConfig, world_size: int) -> dict[str, int]:
 def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raise :class:`ConfigError` for the first impossible setting found."""
     world_size = world_size_from_env() if world_size is None else world_size
-    p = cfg.parallelism
-    if p.context_parallel_degree != 1:
-        raise ConfigError(
-            "parallelism.context_parallel_degree is not supported by torchtitan-omni; "
-            "use parallelism.ulysses_degree for sequence parallelism"
-        )
-    if p.tensor_parallel_degree != 1:
-        raise ConfigError(
-            "parallelism.tensor_parallel_degree > 1 is not supported by torchtitan-omni; "
-            "use FSDP, parallelism.ulysses_degree and parallelism.expert_parallel_degree"
-        )
-    if p.pipeline_parallel_degree != 1:
-        raise ConfigError(
-            "parallelism.pipeline_parallel_degree > 1 is not supported by torchtitan-omni"
-        )
+    refuse_unsupported(cfg)
     degrees = resolved_degrees(cfg, world_size)
-    sharded = degrees["data_parallel_shard_degree"] * degrees["ulysses_degree"]
-    ep = p.expert_parallel_degree
-    if ep < 1:
-        raise ConfigError(f"parallelism.expert_parallel_degree must be >= 1, got {ep}")
-    if ep > 1 and sharded % ep:
-        raise ConfigError(
-            f"parallelism.expert_parallel_degree ({ep}) must divide data_parallel_shard_degree"
-            f" x ulysses_degree ({sharded}): experts are split over those ranks"
-        )
-    if p.expert_tensor_parallel_degree != 1:
-        raise ConfigError("parallelism.expert_tensor_parallel_degree must be 1")
-    t = cfg.training
-    if t.steps < 1:
-        raise ConfigError(f"training.steps must be >= 1, got {t.steps}")
-    if t.local_batch_size < 1:
-        raise ConfigError(f"training.local_batch_size must be >= 1, got {t.local_batch_size}")
-    if t.seq_len % degrees["ulysses_degree"]:
-        raise ConfigError(
-            f"training.seq_len ({t.seq_len}) must be a multiple of parallelism.ulysses_degree "
-            f"({degrees['ulysses_degree']})"
-        )
+    check_values(cfg, Context(world_size, degrees))
     for entry in cfg.omni.loss_weights:
         name, eq, value = entry.partition("=")
         try:
@@ -120,27 +90,7 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"weights.sources entry {entry!r} is not 'part=path'")
         if not os.path.exists(path.strip()):
             raise ConfigError(f"weights.sources {part.strip()}: {path.strip()} does not exist")
-    _validate_activation_checkpoint(cfg)
     _validate_model(cfg, degrees)
-
-
-def _validate_activation_checkpoint(cfg: JobConfig) -> None:
-    ac = cfg.activation_checkpoint
-    if ac.mode == "memory_budget":
-        raise ConfigError(
-            "activation_checkpoint.mode 'memory_budget' needs torch.compile, which "
-            "torchtitan-omni does not apply; use none, full or selective"
-        )
-    if ac.mode == "selective" and ac.selective_ac_option != "op":
-        try:
-            every = int(ac.selective_ac_option)
-        except ValueError:
-            every = 0
-        if every < 1:
-            raise ConfigError(
-                "activation_checkpoint.selective_ac_option must be 'op' or a whole number >= 1 "
-                f"(checkpoint every N-th layer), got {ac.selective_ac_option!r}"
-            )
 
 
 def _validate_data(cfg: JobConfig, spec) -> None:
