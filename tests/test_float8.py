@@ -4,6 +4,9 @@ float8 forward/backward of the debug model runs (torchao needed; skipped without
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -16,19 +19,33 @@ from torchtitan_omni.config.manager import parse_job_config
 from torchtitan_omni.modules.linear_cross_entropy import LinearHead
 
 
+@pytest.fixture
+def float8_allowed(monkeypatch):
+    """Start-up checks as on a Hopper GPU (float8 is refused on CPU runs), torchao faked when
+    it is not installed (only its presence is checked at start-up)."""
+    from torchtitan_omni.config import values
+
+    monkeypatch.setattr(values.platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(values, "cuda_capability", lambda: (9, 0))
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+
+
 def _job(*extra):
     return parse_job_config(["--job.config_file", str(REPO / "train_configs" / "llama_omni_debug.toml"),
                              *extra])
 
 
-def test_filters_are_added_only_with_float8():
+def test_filters_are_added_only_with_float8(float8_allowed):
     assert add_omni_float8_filters(_job()) == []
     job = _job("--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "w2")
     assert add_omni_float8_filters(job) == ["w2", *OMNI_FLOAT8_FILTERS]
     assert add_omni_float8_filters(job) == ["w2", *OMNI_FLOAT8_FILTERS]  # idempotent
 
 
-def test_converter_swaps_only_foundation_blocks():
+def test_converter_swaps_only_foundation_blocks(float8_allowed):
     pytest.importorskip("torchao.float8")
     from torchtitan.components.quantization.float8 import Float8LinearConverter
 

@@ -254,3 +254,20 @@ def test_float8_needs_compute_capability_8_9(on_gpu):
     line = _refused_line("--model.converters", "float8")
     assert "compute capability >= 8.9" in line and "this one has 8.0" in line
     _parse("--model.converters", "float8", "--quantize.linear.float8.emulate")
+
+
+def test_compile_refuses_async_ulysses(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = _refused_line("--compile.enable", "--parallelism.ulysses_degree", "2",
+                         "--parallelism.ulysses_async")
+    assert "compile.enable" in line and "ulysses_async" in line
+    _parse("--compile.enable", "--parallelism.ulysses_degree", "2")
+
+
+def test_cpu_offload_needs_a_gpu_job_with_fsdp(monkeypatch):
+    assert "needs a CUDA GPU" in _refused_line("--training.enable_cpu_offload")
+    monkeypatch.setattr(V.platform, "is_cpu", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert "2 or more ranks" in _refused_line("--training.enable_cpu_offload")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _parse("--training.enable_cpu_offload")

@@ -150,9 +150,9 @@ KEYS: dict[str, Rule] = {
     "training.max_norm": checked("global gradient-norm clipping (OmniTrainer); > 0",
                                  V.above(0)),
     "training.steps": checked(f"{_TRAINER}; >= 1", V.at_least(1)),
-    "training.enable_cpu_offload": honoured(
+    "training.enable_cpu_offload": checked(
         "FSDP2 CPU offload (torchtitan_omni.distributed.parallelize); initialization on CPU "
-        f"by {_TRAINER}"),
+        f"by {_TRAINER}; needs a GPU job with 2+ ranks", V.cpu_offload),
     "training.dtype": honoured(f"the model is built under it by {_TRAINER}"),
     "training.mixed_precision_param": honoured(
         "FSDP2 mixed precision, or autocast without FSDP, on GPU; CPU runs stay float32"),
@@ -243,7 +243,8 @@ KEYS: dict[str, Rule] = {
     "activation_checkpoint.determinism_check": refused(_AC_ARGS),
     "activation_checkpoint.debug": refused(_AC_ARGS),
     # ------------------------------------------------------------ [compile]
-    "compile.enable": honoured("torch.compile of the omni model (distributed/parallelize.py)"),
+    "compile.enable": checked("torch.compile of the omni model (distributed/parallelize.py); "
+                              "not with async Ulysses", V.compile_enable),
     "compile.components": checked("'model' (every part's blocks) and 'loss' (the loss kernel)",
                                   V.compile_components),
     "compile.backend": honoured("passed to torch.compile"),

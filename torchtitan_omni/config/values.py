@@ -148,6 +148,27 @@ def compile_components(value, cfg, ctx) -> str | None:
     return None
 
 
+def compile_enable(value, cfg, ctx) -> str | None:
+    """Async Ulysses overlaps its all-to-alls by hand with Work handles, which a compiled graph
+    cannot hold; compiled blocks use the traceable synchronous all-to-all."""
+    if value and ctx.degrees["ulysses_degree"] > 1 and cfg.parallelism.ulysses_async:
+        return ("cannot be combined with parallelism.ulysses_async: the compiled blocks run the "
+                "synchronous (traceable) Ulysses all-to-all; drop --parallelism.ulysses_async")
+    return None
+
+
+def cpu_offload(value, cfg, ctx) -> str | None:
+    """FSDP2's CPU offload moves sharded state to the host of a GPU job with FSDP units."""
+    if not value:
+        return None
+    if platform.is_cpu():
+        return "needs a CUDA GPU (on a CPU run everything is in host memory already)"
+    sharded = ctx.degrees["data_parallel_shard_degree"] * ctx.degrees["ulysses_degree"]
+    if ctx.data_parallel * ctx.degrees["ulysses_degree"] == 1 or sharded < 1:
+        return "needs FSDP, i.e. 2 or more ranks (NGPU >= 2)"
+    return None
+
+
 def cuda_capability() -> tuple[int, int]:
     """Lowest compute capability of the visible GPUs (every local rank takes one of them)."""
     return min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
