@@ -7,6 +7,26 @@
 # when a GPU is visible, else CPU with gloo). Extra --section.key value arguments pass through.
 set -eo pipefail
 
+for arg in "$@"; do
+  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
+    cat <<'USAGE'
+Usage: [VARIABLE=value ...] ./run_train.sh [--section.key value ...]
+Launcher variables:
+  NGPU                    processes (GPUs, or CPU processes without a GPU); default 1
+  CONFIG_FILE             TOML config; default ./train_configs/llama_omni_debug.toml
+  LOG_RANK                ranks whose output is shown; default 0
+  TRAIN_FILE              entry module; default torchtitan_omni.train
+  TORCHTITAN_OMNI_DEVICE  auto | cuda | cpu; default auto (CUDA when a GPU is visible)
+Outputs go under job.dump_folder: the log on the console, TensorBoard events in
+<dump_folder>/<metrics.save_tb_folder>, checkpoints in <dump_folder>/<checkpoint.folder>.
+Every key of the config (with its value under CONFIG_FILE) follows.
+
+USAGE
+    exec python3 -m torchtitan_omni.config.check \
+      --job.config_file "${CONFIG_FILE:-./train_configs/llama_omni_debug.toml}" "$@"
+  fi
+done
+
 NGPU=${NGPU:-1}
 LOG_RANK=${LOG_RANK:-0}
 CONFIG_FILE=${CONFIG_FILE:-"./train_configs/llama_omni_debug.toml"}

@@ -87,6 +87,35 @@ def test_wrong_type(tmp_path):
     assert "training.steps" in line and "int" in line
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--training.steps", "abc"], ["--training.steps", "'abc'"]),
+    (["--data.bad_sample_policy", "sometimes"], ["sometimes", "skip", "error"]),
+])
+def test_bad_cli_value_is_one_line(args, words):
+    line = _one_error_line(_check(args))
+    assert all(w in line for w in words), line
+
+
+def test_help_lists_launcher_variables_and_keys_without_torchrun():
+    proc = _check(["--help"])
+    assert proc.returncode == 0, proc.stderr
+    for name in ("NGPU", "CONFIG_FILE", "LOG_RANK", "TORCHTITAN_OMNI_DEVICE", "--training.steps",
+                 "--parallelism.ulysses-degree"):
+        assert name in proc.stdout, name
+    assert "[rank0]" not in proc.stdout + proc.stderr  # no torchrun ranks were started
+
+
+def test_output_locations_line():
+    from torchtitan_omni.config.manager import parse_job_config
+    from torchtitan_omni.train import output_locations
+
+    cfg = parse_job_config(["--job.config_file", str(REPO / CONFIG), "--job.dump_folder", "o",
+                            "--metrics.enable_tensorboard", "--checkpoint.no-enable"])
+    line = output_locations(cfg)
+    assert f"TensorBoard {os.path.join('o', cfg.metrics.save_tb_folder)}" in line
+    assert "checkpoints off (--checkpoint.enable)" in line
+
+
 def test_missing_config_file():
     line = _one_error_line(_check(["--job.config_file", "no/such/file.toml"]))
     assert "not found" in line and "no/such/file.toml" in line

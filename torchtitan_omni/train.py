@@ -14,6 +14,7 @@ Run as ``python -m torchtitan_omni.train --job.config_file CONFIG [--section.key
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections import defaultdict
@@ -64,6 +65,7 @@ class OmniTrainer(Trainer):
         self.sp_rank = dims.get_mesh("sp").get_local_rank() if dims.sp_enabled else 0
         self.flop_counter = FlopCounter(self.model_parts[0])
         self.last_losses: dict[str, float] = {}
+        logger.info(output_locations(job_config))
 
     # ----------------------------------------------------------------- set-up
     def init_distributed(self) -> OmniParallelDims:
@@ -206,6 +208,16 @@ class OmniTrainer(Trainer):
         local = torch.tensor([counts[n] for n in names], dtype=torch.long, device=self.device)
         total = all_reduce(local, self.parallel_dims.get_optional_mesh("batch"))
         return {f"data/skipped_{n}": int(v) for n, v in zip(names, total)}
+
+
+def output_locations(job_config: JobConfig) -> str:
+    """One line saying where this job writes its TensorBoard events and checkpoints."""
+    dump = job_config.job.dump_folder
+    m, c = job_config.metrics, job_config.checkpoint
+    tb = (os.path.join(dump, m.save_tb_folder, "<date-time>") if m.enable_tensorboard
+          else "off (--metrics.enable_tensorboard)")
+    ckpt = os.path.join(dump, c.folder) if c.enable else "off (--checkpoint.enable)"
+    return f"Outputs of this job: TensorBoard {tb}; checkpoints {ckpt}; log on the console"
 
 
 @record

@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import io
 import os
 import sys
 import types
@@ -85,7 +87,7 @@ class OmniConfigManager(ConfigManager):
         if toml_values:
             self._check_toml(config_cls, toml_values)
         self._check_cli_keys(config_cls, args)
-        config = super().parse_args(args)
+        config = self._parse_cli_values(args)
         from torchtitan_omni.config.validate import validate_job_config
 
         validate_job_config(config)
@@ -171,6 +173,18 @@ class OmniConfigManager(ConfigManager):
                     f"({type(value).__name__})"
                 )
 
+    def _parse_cli_values(self, args: list[str]) -> JobConfig:
+        """TorchTitan's parse; a value the command line cannot convert (``--training.steps
+        abc``) becomes one :class:`ConfigError` line instead of tyro's framed message."""
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured):
+                return super().parse_args(args)
+        except SystemExit as e:
+            if not e.code:
+                raise  # --help: tyro printed it to standard output
+            raise ConfigError(_first_message(captured.getvalue())) from None
+
     @staticmethod
     def _check_cli_keys(cls: type, args: list[str]) -> None:
         """Every ``--section.key`` must name a field (tyro's own error is a page long)."""
@@ -195,6 +209,22 @@ class OmniConfigManager(ConfigManager):
                     )
                 tp = names[part]
         del sections
+
+
+def _first_message(text: str) -> str:
+    """The error of a framed command-line message (tyro's box), on one line."""
+    lines = []
+    for raw in text.splitlines():
+        if raw.lstrip().startswith("╭"):
+            continue  # the frame's top edge carries its title ("Value error")
+        line = raw.strip().strip("│╮╰╯─ ").strip()
+        if line.startswith(("Argument helptext", "For full helptext", "Usage")):
+            break
+        if line and not set(line) <= set("─"):
+            lines.append(line)
+        elif lines:
+            break  # the frame's separator after the message
+    return " ".join(lines) or "the command line could not be parsed"
 
 
 def _omni_job_config() -> type:
