@@ -13,3 +13,7 @@ class OmniInputError(Exception):
 
 class CheckpointFormatError(OmniInputError, ValueError):
     """A checkpoint folder or file is missing, malformed or does not match the model."""
+
+
+class DataFileError(OmniInputError, ValueError):
+    """A data file that cannot be read at all (unreadable, truncated, not the format it claims)."""

@@ -13,10 +13,11 @@ import torch
 from tests.data.helpers import (
     SMALL_PROCESSING, job_config, tokenizer_dir, write_jsonl, write_mp4, write_png, write_wav,
 )
-from torchtitan_omni.data.bad_samples import BadSampleError
+from torchtitan_omni.data.bad_samples import REASONS, BadSampleError
 from torchtitan_omni.data.loader import build_omni_dataloader
 from torchtitan_omni.data.source import RowSource, ShardSpec, find_files
 from torchtitan_omni.data.tokenizer import OmniTokenizer
+from torchtitan_omni.errors import DataFileError
 from torchtitan_omni.protocols import batch as B
 
 N_ROWS = 30
@@ -199,8 +200,9 @@ def _bad_dataset(root):
     return rows
 
 
-EXPECTED = {"missing_media": 1, "corrupt_media": 2, "unknown_placeholder": 1,
-            "placeholder_mismatch": 1, "too_long": 1, "modality_disabled": 1, "malformed_row": 1}
+EXPECTED = {**dict.fromkeys(REASONS, 0), "missing_media": 1, "corrupt_media": 2,
+            "unknown_placeholder": 1, "placeholder_mismatch": 1, "too_long": 1,
+            "modality_disabled": 1, "malformed_row": 1}
 BAD_ROWS = {1, 2, 3, 4, 5, 6, 8, 9}
 
 
@@ -216,7 +218,7 @@ def test_bad_samples_are_skipped_logged_once_and_counted(dataset, tmp_path, capl
     logged = [r.getMessage() for r in caplog.records if "skipping sample" in r.getMessage()]
     assert len(logged) == len(BAD_ROWS)
     for row in BAD_ROWS:
-        assert sum(f"train.jsonl row {row}:" in m for m in logged) == 1, (row, logged)
+        assert sum(f"train.jsonl line {row + 1}:" in m for m in logged) == 1, (row, logged)
     # the good rows all made it
     texts = "".join(tok.decode(b[B.INPUT].flatten().tolist()) for b, _ in batches)
     assert "good text one" in texts and "fine" in texts
@@ -244,7 +246,7 @@ def test_error_policy_names_file_and_row(dataset, tmp_path, row, reason):
     with pytest.raises(BadSampleError) as err:
         list(loader)
     msg = str(err.value)
-    assert os.path.join(root, "train.jsonl") in msg and "row 1" in msg and reason in msg
+    assert os.path.join(root, "train.jsonl") in msg and "line 2" in msg and reason in msg
 
 
 def test_missing_split_and_dataset_errors(dataset, tmp_path):
@@ -273,3 +275,22 @@ def test_auto_workers():
     assert auto_workers(32, 8, on_gpu=True) == 3
     assert auto_workers(2, 2, on_gpu=True) == 0
     assert auto_workers(64, 1, on_gpu=False) == 0
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_parquet_rows_read_with_datasets(tmp_path, streaming):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": f"parquet row {k}"} for k in range(5)]
+    path = str(tmp_path / "train_0.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    src = RowSource(find_files(str(tmp_path), "train"), streaming=streaming, shuffle=False)
+    got = list(src.shard_rows(ShardSpec(0, 1), epoch=0))
+    assert [r["text"] for _, r, _ in got] == [r["text"] for r in rows]
+    assert [str(s) for _, _, s in got] == [f"{path} row {k}" for k in range(5)]
+    broken = tmp_path / "broken" / "train.parquet"
+    broken.parent.mkdir()
+    broken.write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(DataFileError, match=f"cannot read Parquet file {broken}"):
+        list(RowSource([str(broken)], streaming=streaming).shard_rows(ShardSpec(0, 1), epoch=0))

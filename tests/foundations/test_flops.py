@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from torchtitan_omni.flops import FlopCounter, causal_pairs, nparams_and_flops_per_token
 from torchtitan_omni.foundations.llama3 import Llama3, Llama3Args
+from torchtitan_omni.foundations.qwen3 import Qwen3, Qwen3Args
 from torchtitan_omni.foundations.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
 from torchtitan_omni.omni_model import OmniModel
 from torchtitan_omni.protocols import batch as B
@@ -33,11 +34,24 @@ def _qwen() -> OmniModel:
     return m
 
 
-def _hand_params(kind: str) -> tuple[int, int, float]:
+def _qwen3_dense() -> OmniModel:
+    # head_dim 12: q/k/v widths differ from the model width, as in Qwen3
+    m = OmniModel(Qwen3(Qwen3Args(dim=D, n_layers=L, n_heads=HEADS, n_kv_heads=KV, head_dim=12,
+                                  vocab_size=V, ffn_hidden_dim=48, max_seq_len=64)))
+    m.init_weights()
+    return m
+
+
+MODELS = {"llama": _llama, "qwen3_moe": _qwen, "qwen3": _qwen3_dense}
+
+
+def _hand_params(kind: str, hd: int = HD) -> tuple[int, int, float]:
     """(linear weights one token passes through except the head, norm weights, head weights)."""
-    attn = D * HEADS * HD + 2 * D * KV * HD + HEADS * HD * D
+    attn = D * HEADS * hd + 2 * D * KV * hd + HEADS * hd * D
     if kind == "llama":
         linear, norms = L * (attn + 3 * D * 48), L * 2 * D + D
+    elif kind == "qwen3":  # Llama's SwiGLU plus per-head q/k norms
+        linear, norms = L * (attn + 3 * D * 48), L * (2 * D + 2 * hd) + D
     else:  # router + top-2 of 6 experts of width 16
         linear, norms = L * (attn + D * 6 + 2 * 3 * D * 16), L * (2 * D + 2 * HD) + D
     return linear, norms, D * V
@@ -54,14 +68,15 @@ def _batch():
     return tokens, positions, labels, cu
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("kind", list(MODELS))
 def test_batch_flops_match_hand_computation_and_measured_matmuls(kind):
-    model = _llama() if kind == "llama" else _qwen()
+    model = MODELS[kind]()
     tokens, positions, labels, cu = _batch()
-    linear, norms, head = _hand_params("llama" if kind == "llama" else "moe")
+    hd = 12 if kind == "qwen3" else HD
+    linear, norms, head = _hand_params("moe" if kind == "qwen3_moe" else kind, hd)
     targets = int((labels != B.IGNORE_INDEX).sum())
     pairs = 5 * 6 / 2 + 9 * 10 / 2 + 2 * 3 / 2 + 8 * 9 / 2
-    attention = 3 * 4 * L * HEADS * HD * pairs
+    attention = 3 * 4 * L * HEADS * hd * pairs
     expected = 6 * (linear + norms) * 24 + 6 * head * targets + attention
     counter = FlopCounter(model)
     assert counter.batch(cu, 1, batch={}, labels=labels) == pytest.approx(expected, rel=1e-12)
@@ -79,12 +94,14 @@ def test_batch_flops_match_hand_computation_and_measured_matmuls(kind):
     assert measured == 6 * linear * 24 + 6 * head * targets
 
 
-def test_per_token_flops_follow_torchtitan_convention():
-    model = _qwen()
-    linear, norms, head = _hand_params("moe")
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3"])
+def test_per_token_flops_follow_torchtitan_convention(kind):
+    model = MODELS[kind]()
+    hd = 12 if kind == "qwen3" else HD
+    linear, norms, head = _hand_params("moe" if kind == "qwen3_moe" else kind, hd)
     nparams, per_token = nparams_and_flops_per_token(None, model, 64)
     assert nparams == sum(p.numel() for p in model.parameters())
-    assert per_token == int(6 * (linear + norms + head) + 12 * L * HEADS * HD * 64)
+    assert per_token == int(6 * (linear + norms + head) + 12 * L * HEADS * hd * 64)
 
 
 def test_media_flops_count_encoders_and_decoders():

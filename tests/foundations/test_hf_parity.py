@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from tests.foundations.hf_mapping import hf_to_ours, ours_to_hf  # noqa: E402
 from torchtitan_omni.foundations.llama3 import Llama3, Llama3Args  # noqa: E402
+from torchtitan_omni.foundations.qwen3 import Qwen3, Qwen3Args  # noqa: E402
 from torchtitan_omni.foundations.qwen3_moe import AUX_LOSS, Qwen3Moe, Qwen3MoeArgs  # noqa: E402
 from torchtitan_omni.modules.rope import RopeScaling  # noqa: E402
 from torchtitan_omni.protocols.modules import AttentionMeta  # noqa: E402
@@ -44,6 +45,13 @@ def _qwen_args(norm_topk_prob: bool = True) -> Qwen3MoeArgs:
         dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=96, num_experts=8,
         top_k=2, moe_hidden_dim=32, norm_topk_prob=norm_topk_prob, max_seq_len=64,
     )
+
+
+def _qwen3_dense_args() -> Qwen3Args:
+    # Odd sizes: GQA 3:1 (6 q heads, 2 kv heads), head_dim 20 (not a power of two) with dim
+    # 40, so q is 120 wide and k/v 40; an FFN width that is no multiple of the model width.
+    return Qwen3Args(dim=40, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=20, vocab_size=96,
+                     ffn_hidden_dim=72, max_seq_len=64)
 
 
 def _hf_model(config_dict: dict, cls_name: str, config_cls_name: str):
@@ -105,6 +113,7 @@ def _packed(docs: list[list[torch.Tensor]]):
 CASES = {
     "llama3": (Llama3, _llama_args, "LlamaForCausalLM", "LlamaConfig"),
     "qwen3_moe": (Qwen3Moe, _qwen_args, "Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
+    "qwen3": (Qwen3, _qwen3_dense_args, "Qwen3ForCausalLM", "Qwen3Config"),
 }
 
 

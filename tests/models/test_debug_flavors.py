@@ -18,10 +18,11 @@ from torchtitan_omni.distributed.parallelize import matching_modules
 from torchtitan_omni.protocols import batch as B
 from torchtitan_omni.protocols.modules import AttentionMeta
 
-SPECS = ["janus", "llama_omni", "qwen3_moe_omni"]
+SPECS = ["janus", "llama_omni", "qwen3_omni", "qwen3_moe_omni"]
 MODALITIES = {
     "janus": {"image", "gen_image"},
     "llama_omni": {"image", "video", "audio", "gen_image"},
+    "qwen3_omni": {"image", "video", "audio"},
     "qwen3_moe_omni": {"image", "video", "audio"},
 }
 

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 import torchtitan_omni.models  # noqa: E402,F401  (registers the specs)
 from torchtitan.protocols.train_spec import get_train_spec  # noqa: E402
 
-REAL = {"janus": "1.3B", "llama_omni": "8B", "qwen3_moe_omni": "30B-A3B"}
+REAL = {"janus": "1.3B", "llama_omni": "8B", "qwen3_omni": "8B", "qwen3_moe_omni": "30B-A3B"}
 
 
 def _count(module) -> int:
@@ -46,6 +46,13 @@ def llama_count(dim, layers, heads, kv_heads, ffn, vocab) -> int:
     return 2 * vocab * dim + layers * per_layer + dim
 
 
+def qwen3_count(dim, layers, heads, kv_heads, head_dim, ffn, vocab) -> int:
+    """As Llama, with an explicit head_dim and per-head q/k norms."""
+    per_layer = (_attention(dim, heads, kv_heads, head_dim) + 2 * head_dim + 3 * dim * ffn
+                 + 2 * dim)
+    return 2 * vocab * dim + layers * per_layer + dim
+
+
 def qwen3_moe_count(dim, layers, heads, kv_heads, head_dim, experts, expert_ffn, vocab) -> int:
     """As Llama, with q/k norms and, in every layer, a router and ``experts`` SwiGLU experts."""
     per_layer = (_attention(dim, heads, kv_heads, head_dim) + 2 * head_dim
@@ -64,6 +71,28 @@ def test_deepseek_llm_1_3b_of_janus():
     model, _ = _build("janus", "1.3B")
     expected = llama_count(dim=2048, layers=24, heads=16, kv_heads=16, ffn=5632, vocab=102400)
     assert _count(model.llm) == expected
+
+
+def test_qwen3_8b_llm_matches_hf_built_from_its_config():
+    model, args = _build("qwen3_omni", "8B")
+    # Qwen3-8B's config.json, written out here rather than exported by our adapter.
+    config = transformers.Qwen3Config(
+        hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        max_position_embeddings=40960, tie_word_embeddings=False, attention_bias=False,
+    )
+    hf = _hf("Qwen3ForCausalLM", config)
+    expected = qwen3_count(dim=4096, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=12288,
+                           vocab=151936)
+    assert _count(model.llm) == _count(hf) == expected
+    assert expected == 8_190_735_360  # Qwen3-8B's size with its untied head
+    assert args.llm.rope_theta == config.rope_parameters["rope_theta"]
+    assert args.llm.norm_eps == config.rms_norm_eps
+    # every HF parameter has one tensor of ours of the same shape
+    shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    for name, src in model.llm.hf_adapter().sources().items():
+        assert shapes[src.keys[0]] == tuple(model.llm.get_parameter(name).shape), name
 
 
 def test_qwen3_30b_a3b_llm_matches_config_arithmetic():
@@ -143,7 +172,7 @@ def test_janus_media_parts_match_hf_janus():
     assert p["gen_image"].num_tokens() == 576 and args.gen_image.vq.codebook_size == 16384
 
 
-@pytest.mark.parametrize("spec_name", ["llama_omni", "qwen3_moe_omni"])
+@pytest.mark.parametrize("spec_name", ["llama_omni", "qwen3_omni", "qwen3_moe_omni"])
 def test_vision_and_audio_encoders_match_hf(spec_name):
     model, args = _build(spec_name, REAL[spec_name])
     dim = args.llm.dim

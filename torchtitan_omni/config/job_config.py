@@ -108,7 +108,7 @@ class Data:
     """Split (file stem or sub-folder) read under training.dataset_path."""
 
     streaming: bool = False
-    """Stream the corpus (datasets streaming mode) instead of loading it into memory."""
+    """Stream the corpus (files read in order, row by row) instead of indexing every file."""
 
     modalities: list[str] = field(default_factory=lambda: ["image", "video", "audio", "gen_image"])
     """Modalities to keep; samples that need another one are skipped (and counted)."""
@@ -127,8 +127,10 @@ class Data:
     """Always pad rows to training.seq_len (static shapes, e.g. for torch.compile)."""
 
     bad_sample_policy: Literal["skip", "error"] = "skip"
-    """A missing or corrupt media file, an unknown placeholder or an over-long sample is
-    skipped, logged once and counted ("skip"), or stops training ("error")."""
+    """A bad sample (a line that is not JSON, a row of no known shape or with nothing to
+    train on, a missing or corrupt media file, an unknown placeholder, an over-long sample;
+    docs/data.md lists the reasons) is skipped, logged once and counted ("skip"), or stops
+    training ("error")."""
 
     gen_cfg_drop_prob: float = 0.1
     """Probability of dropping the caption of an image-generation sample (trains the

@@ -20,10 +20,15 @@ PLACEHOLDER_MISMATCH = "placeholder_mismatch"
 TOO_LONG = "too_long"
 MODALITY_DISABLED = "modality_disabled"
 MALFORMED = "malformed_row"
+INVALID_JSON = "invalid_json"
+EMPTY_TEXT = "empty_text"
+EMPTY_CONVERSATION = "empty_conversation"
+NO_TARGETS = "no_targets"
 
 #: every reason a sample can be skipped for (the keys of ``loader.stats()``)
 REASONS = (MISSING_MEDIA, CORRUPT_MEDIA, UNKNOWN_PLACEHOLDER, PLACEHOLDER_MISMATCH, TOO_LONG,
-           MODALITY_DISABLED, MALFORMED)
+           MODALITY_DISABLED, MALFORMED, INVALID_JSON, EMPTY_TEXT, EMPTY_CONVERSATION,
+           NO_TARGETS)
 
 #: log lines per reason and worker before further skips are only counted
 MAX_LOGGED_PER_REASON = 50
@@ -33,12 +38,16 @@ MAX_LOGGED = {MODALITY_DISABLED: 3}
 
 @dataclass(frozen=True)
 class Source:
-    """Where a sample comes from: a data file and its row (0-based) in that file."""
+    """Where a sample comes from: a data file, its row (0-based) in that file and, for JSON
+    lines, the row's 1-based line number (what an editor shows; blank lines are not rows)."""
 
     file: str
     row: int
+    line: int | None = None
 
     def __str__(self) -> str:
+        if self.line is not None:
+            return f"{self.file} line {self.line}"
         return f"{self.file} row {self.row}"
 
 

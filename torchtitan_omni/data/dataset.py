@@ -80,7 +80,9 @@ class OmniDataset(IterableDataset, Stateful):
         RNG of that shard and row, keyed ``(epoch, q, chunk, shard index, shard count)``."""
         epoch, q, index, count = ref
         try:
-            docs = self.encoder.encode(parse_row(row, source), self._rng(epoch, q, index, count))
+            sample = parse_row(row, source)
+            docs = self.encoder.encode(sample, self._rng(epoch, q, index, count))
+            self.encoder.require_targets(sample, docs)
         except BadSample as bad:
             self.handler(bad)
             return []

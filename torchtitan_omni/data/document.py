@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from torchtitan_omni.data.bad_samples import MODALITY_DISABLED, TOO_LONG, BadSample
+from torchtitan_omni.data.bad_samples import MODALITY_DISABLED, NO_TARGETS, TOO_LONG, BadSample
 from torchtitan_omni.data.processors import Item, Processor
 from torchtitan_omni.data.sample import Sample, split_placeholders
 from torchtitan_omni.data.template import drop_prompt
@@ -78,6 +78,21 @@ class DocumentEncoder:
                 )
             out[modality] = [proc(ref, self.root, sample.source) for ref in refs]
         return out
+
+    def require_targets(self, sample: Sample, docs: list[Document]) -> None:
+        """Raise :class:`BadSample` (``no_targets``) when ``docs`` train nothing but closing
+        tokens: e.g. a conversation without an assistant answer, whose prompts are masked."""
+        closers = [self.sp.eos, self.sp.end_of_turn]
+        if any((d.targets & ~np.isin(d.tokens, closers)).any() for d in docs):
+            return
+        if sample.turns is None:
+            why = "the text holds only media placeholders"
+        elif self.mask_prompt:
+            why = ("no assistant turn has content (system and user turns are prompts, not "
+                   "trained: data.mask_prompt_labels)")
+        else:
+            why = "no turn has text content"
+        raise BadSample(NO_TARGETS, f"nothing to train on: {why}", sample.source)
 
     def encode(self, sample: Sample, rng: random.Random) -> list[Document]:
         """The sample's document (or, for long plain text, its ``seq_len`` chunks)."""

@@ -27,6 +27,7 @@ from torchtitan_omni.data.document import DocumentEncoder
 from torchtitan_omni.data.packing import BatchPlan
 from torchtitan_omni.data.processors import build_processors
 from torchtitan_omni.data.source import RowSource, find_files
+from torchtitan_omni.errors import OmniInputError
 from torchtitan_omni.platform import is_cpu
 from torchtitan_omni.protocols.batch import MODALITIES
 
@@ -40,9 +41,12 @@ class OmniDataLoader(ParallelAwareDataloader):
         self._skipped: dict[int, dict[str, int]] = {}
 
     def __iter__(self):
-        for batch, labels, info in super().__iter__():
-            self._skipped[int(info["shard"])] = dict(info["skipped"])
-            yield batch, labels
+        try:
+            for batch, labels, info in super().__iter__():
+                self._skipped[int(info["shard"])] = dict(info["skipped"])
+                yield batch, labels
+        except OmniInputError as e:
+            raise one_line(e) from None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """This rank's own state (same data ranks and loader workers as when it was saved)."""
@@ -83,6 +87,18 @@ class OmniDataLoader(ParallelAwareDataloader):
             for reason, n in counts.items():
                 out[reason] = out.get(reason, 0) + int(n)
         return out
+
+
+def one_line(error: OmniInputError) -> OmniInputError:
+    """``error`` with its own one-line message: torch re-raises an exception of a loader worker
+    as the same type whose message is the worker's whole traceback."""
+    lines = str(error).strip().splitlines()
+    if len(lines) < 2 or not lines[0].startswith("Caught "):
+        return error
+    marker = f"{type(error).__name__}: "
+    last = lines[-1]
+    at = last.find(marker)
+    return type(error)(last[at + len(marker):]) if at >= 0 else error
 
 
 def old_shard_states(states: list[dict]) -> list[dict]:

@@ -24,8 +24,10 @@ from typing import Any
 
 from torchtitan_omni.data import special_tokens as st
 from torchtitan_omni.data.bad_samples import (
-    MALFORMED, PLACEHOLDER_MISMATCH, UNKNOWN_PLACEHOLDER, BadSample, Source,
+    EMPTY_CONVERSATION, EMPTY_TEXT, INVALID_JSON, MALFORMED, PLACEHOLDER_MISMATCH,
+    UNKNOWN_PLACEHOLDER, BadSample, Source,
 )
+from torchtitan_omni.data.jsonl import UnreadableLine
 from torchtitan_omni.protocols.batch import GEN_IMAGE, MODALITIES
 
 MEDIA_KEYS = {m: (m + "s", m) for m in MODALITIES}  # "images"/"image", ...
@@ -120,17 +122,25 @@ def _content_text(content: Any, media: dict[str, list[Any]], inline: dict[str, l
     return "".join(pieces)
 
 
-def _turns(messages: Any, role_key: str, text_key: str, media, inline, source) -> list[Turn]:
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise BadSample(MALFORMED, "empty or non-list conversation", source)
+def _turns(key: str, messages: Any, role_key: str, text_key: str, media, inline,
+           source) -> list[Turn]:
+    if not isinstance(messages, (list, tuple)):
+        raise BadSample(
+            MALFORMED, f"{key!r} is a {type(messages).__name__}, not a list of turns", source)
+    if not messages:
+        raise BadSample(EMPTY_CONVERSATION, f"{key!r} is an empty list: no turns", source)
     turns = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
-            raise BadSample(MALFORMED, f"turn {i} is not an object", source)
+            raise BadSample(MALFORMED, f"turn {i} of {key!r} is not an object", source)
         role = ROLE_ALIASES.get(str(msg.get(role_key, "")).lower())
         if role is None:
-            raise BadSample(MALFORMED, f"turn {i} has unknown role {msg.get(role_key)!r}", source)
+            raise BadSample(
+                MALFORMED, f"turn {i} of {key!r} has unknown role {msg.get(role_key)!r}", source)
         turns.append(Turn(role, _content_text(msg.get(text_key), media, inline, source)))
+    if not any(t.text.strip() for t in turns):
+        raise BadSample(
+            EMPTY_CONVERSATION, f"all {len(turns)} turn(s) of {key!r} have empty content", source)
     return turns
 
 
@@ -180,19 +190,29 @@ def _check_placeholders(sample: Sample) -> None:
 
 def parse_row(row: dict, source: Source) -> Sample:
     """Parse one row (see the module docstring); raises :class:`BadSample` if malformed."""
+    if isinstance(row, UnreadableLine):
+        raise BadSample(INVALID_JSON, row.describe(), source)
     if not isinstance(row, dict):
-        raise BadSample(MALFORMED, f"row is a {type(row).__name__}, not an object", source)
+        raise BadSample(MALFORMED, f"the row is a JSON {type(row).__name__}, not an object", source)
     media = _row_media(row, source)
     inline: dict[str, list[Any]] = {m: [] for m in MODALITIES}
     if row.get("messages") is not None:
-        sample = Sample(source, turns=_turns(row["messages"], "role", "content", media, inline, source))
+        sample = Sample(source, turns=_turns("messages", row["messages"], "role", "content",
+                                             media, inline, source))
     elif row.get("conversations") is not None:
-        sample = Sample(source, turns=_turns(row["conversations"], "from", "value", media, inline, source))
+        sample = Sample(source, turns=_turns("conversations", row["conversations"], "from",
+                                             "value", media, inline, source))
     elif row.get("caption") is not None and media[GEN_IMAGE]:
         sample = Sample(source, turns=[
             Turn("user", str(row["caption"])), Turn("assistant", st.PLACEHOLDERS[GEN_IMAGE])
         ])
-    elif isinstance(row.get("text"), str) and row["text"]:
+    elif row.get("text") is not None:
+        if not isinstance(row["text"], str):
+            raise BadSample(
+                MALFORMED, f"'text' is a {type(row['text']).__name__}, not a string", source)
+        if not row["text"].strip():
+            what = "an empty string" if not row["text"] else "only whitespace"
+            raise BadSample(EMPTY_TEXT, f"'text' is {what}: nothing to train on", source)
         sample = Sample(source, text=row["text"])
     else:
         keys = ", ".join(sorted(k for k, v in row.items() if v is not None)) or "none"

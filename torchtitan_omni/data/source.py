@@ -1,11 +1,14 @@
-"""The rows of one split: data files found under the dataset root, read with ``datasets``,
-cut into shards (data-parallel rank x loader worker), in a seeded per-epoch order.
+"""The rows of one split: data files found under the dataset root, cut into shards
+(data-parallel rank x loader worker), in a seeded per-epoch order.
 
-Map-style (default): every file is loaded (memory-mapped Arrow) and each epoch visits all rows
-in a fresh seeded permutation; shard ``s`` of ``n`` takes positions ``s, s + n, ...``.
-Streaming (``data.streaming``): files are read in order (their order shuffled per epoch);
-whole files go to shards when their number divides evenly, else every ``n``-th row. Either way
-a shard's rows are numbered ``q = 0, 1, ...`` per epoch, which is all the resumable state needs.
+JSON lines are read by ``torchtitan_omni.data.jsonl`` (line by line: a line that is not JSON is
+one bad sample, and rows of a file may differ in shape); Parquet with ``datasets`` (Arrow).
+Map-style (default): every file is indexed (JSONL) or loaded (memory-mapped Arrow) and each
+epoch visits all rows in a fresh seeded permutation; shard ``s`` of ``n`` takes positions
+``s, s + n, ...``. Streaming (``data.streaming``): files are read in order (their order
+shuffled per epoch); whole files go to shards when their number divides evenly, else every
+``n``-th row. Either way a shard's rows are numbered ``q = 0, 1, ...`` per epoch, which is all
+the resumable state needs.
 """
 
 from __future__ import annotations
@@ -15,17 +18,20 @@ import glob
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from torchtitan_omni.data.bad_samples import Source
+from torchtitan_omni.data.jsonl import JsonlFile
+from torchtitan_omni.errors import DataFileError
 
 _EXTENSIONS = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json",
                ".parquet": "parquet"}
 
 
 def file_format(path: str, fmt: str = "auto") -> str:
-    """The ``datasets`` builder ("json" or "parquet") of a data file."""
+    """The reader of a data file: "json" (JSON lines) or "parquet"."""
     if fmt == "jsonl":
         return "json"
     if fmt != "auto":
@@ -33,8 +39,8 @@ def file_format(path: str, fmt: str = "auto") -> str:
     for ext, builder in _EXTENSIONS.items():
         if path.endswith(ext):
             return builder
-    raise ValueError(f"data file {path} has an unknown extension (known: {', '.join(_EXTENSIONS)});"
-                     " set data.format")
+    raise DataFileError(f"data file {path} has an unknown extension (known: "
+                        f"{', '.join(_EXTENSIONS)}); set data.format")
 
 
 def find_files(path: str, split: str) -> list[str]:
@@ -57,23 +63,51 @@ def find_files(path: str, split: str) -> list[str]:
     return sorted(found)
 
 
-def _load(file: str, fmt: str, streaming: bool):
+def _load_parquet(file: str, streaming: bool):
     import datasets
 
     try:
-        ds = datasets.load_dataset(file_format(file, fmt), data_files=[file], split="train",
+        ds = datasets.load_dataset("parquet", data_files=[file], split="train",
                                    streaming=streaming)
     except Exception as e:
-        raise ValueError(
-            f"cannot read data file {file} with datasets: {e} (every row of a file must share "
-            "one schema: e.g. 'images' always a list, message 'content' always a string)"
-        ) from None
+        raise DataFileError(f"cannot read Parquet file {file}: {e}") from None
     # Keep encoded media as {"bytes", "path"}: the processors decode it themselves.
     features = getattr(ds, "features", None) or {}
     for name, feat in features.items():
         if type(feat).__name__ in ("Image", "Audio", "Video") and getattr(feat, "decode", False):
             ds = ds.cast_column(name, type(feat)(decode=False))
     return ds
+
+
+class ParquetFile:
+    """The rows of one Parquet file, read with ``datasets`` (the same interface as
+    :class:`~torchtitan_omni.data.jsonl.JsonlFile`; rows have no line numbers)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._table = None
+
+    def _loaded(self):
+        if self._table is None:
+            self._table = _load_parquet(self.path, streaming=False)
+        return self._table
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+    def row(self, index: int) -> tuple[Any, None]:
+        """``(row, None)`` of row ``index``."""
+        return self._loaded()[int(index)], None
+
+    def stream(self) -> Iterator[tuple[Any, None]]:
+        """``(row, None)`` of every row in file order, without loading the file."""
+        for row in _load_parquet(self.path, streaming=True):
+            yield row, None
+
+
+def open_file(path: str, fmt: str = "auto") -> JsonlFile | ParquetFile:
+    """The reader of one data file (``data.format``: "auto" picks by extension)."""
+    return ParquetFile(path) if file_format(path, fmt) == "parquet" else JsonlFile(path)
 
 
 @dataclass(frozen=True)
@@ -94,26 +128,27 @@ class RowSource:
         self.streaming = streaming
         self.seed = seed
         self.shuffle = shuffle
-        self._tables = None
-        self._offsets: list[int] = []
+        self._readers = [open_file(f, fmt) for f in self.files]
+        self._offsets: list[int] | None = None
         self._order_cache: tuple[int, np.ndarray] | None = None
 
     # ----------------------------------------------------------------- map-style
     def _ensure_loaded(self) -> None:
-        if self._tables is None:
-            self._tables = [_load(f, self.fmt, False) for f in self.files]
-            self._offsets = list(np.cumsum([0] + [len(t) for t in self._tables]))
+        if self._offsets is None:
+            self._offsets = list(np.cumsum([0] + [len(r) for r in self._readers]))
 
     def __len__(self) -> int:
         self._ensure_loaded()
         return int(self._offsets[-1])
 
-    def row(self, index: int) -> tuple[dict, Source]:
-        """Row ``index`` of the concatenated files (map-style only)."""
+    def row(self, index: int) -> tuple[Any, Source]:
+        """Row ``index`` of the concatenated files (map-style only): the row as read (see
+        ``parse_row``) and where it comes from."""
         self._ensure_loaded()
         f = bisect.bisect_right(self._offsets, index) - 1
-        local = index - self._offsets[f]
-        return self._tables[f][int(local)], Source(self.files[f], int(local))
+        local = int(index - self._offsets[f])
+        value, line = self._readers[f].row(local)
+        return value, Source(self.files[f], local, line)
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._order_cache is not None and self._order_cache[0] == epoch:
@@ -144,11 +179,11 @@ class RowSource:
         return self.row(int(order[q * shard.count + shard.index]))
 
     # ----------------------------------------------------------------- streaming
-    def _file_order(self, epoch: int) -> list[str]:
+    def _file_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
-            return list(self.files)
+            return list(range(len(self.files)))
         perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.files))
-        return [self.files[i] for i in perm]
+        return [int(i) for i in perm]
 
     def _stream(self, shard: ShardSpec, epoch: int, start: int) -> Iterator[tuple[int, dict, Source]]:
         files = self._file_order(epoch)
@@ -157,12 +192,12 @@ class RowSource:
             files = files[shard.index::shard.count]
         q = 0  # the shard's row number
         g = 0  # the global row number (row-level sharding)
-        for file in files:
-            for local, row in enumerate(_load(file, self.fmt, True)):
+        for f in files:
+            for local, (row, line) in enumerate(self._readers[f].stream()):
                 mine = by_file or g % shard.count == shard.index
                 g += 1
                 if not mine:
                     continue
                 if q >= start:
-                    yield q, row, Source(file, local)
+                    yield q, row, Source(self.files[f], local, line)
                 q += 1

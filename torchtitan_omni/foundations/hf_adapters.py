@@ -1,6 +1,8 @@
 """Hugging Face checkpoint naming of the foundations (``HFAdapter`` declarations).
 
 - ``Llama3HFAdapter``: ``LlamaForCausalLM`` (Llama-3, and the DeepSeek-LLM inside Janus).
+- ``Qwen3HFAdapter``: ``Qwen3ForCausalLM`` (Qwen3 dense): Llama's names plus the per-head
+  ``self_attn.{q,k}_norm``.
 - ``Qwen3MoeHFAdapter``: ``Qwen3MoeForCausalLM`` checkpoints, whose experts are stored one
   tensor per expert (``model.layers.N.mlp.experts.E.gate_proj.weight``; transformers 5.x fuses
   them in memory, but ``save_pretrained`` and the hub keep per-expert keys). They stack on dim 0
@@ -68,12 +70,17 @@ class _DecoderLMHFAdapter(HFAdapter):
         return ("model.layers.*.self_attn.rotary_emb.inv_freq",)
 
 
+def _swiglu_sources(ours: str, hf: str) -> dict[str, HFSource]:
+    """``SwiGLU`` at ``ours``feed_forward <- HF ``mlp`` under ``hf`` (gate, up, down)."""
+    return {f"{ours}feed_forward.{mine}.weight": _one(f"{hf}mlp.{theirs}.weight")
+            for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
+
+
 class Llama3HFAdapter(_DecoderLMHFAdapter):
     """``Llama3`` <-> ``LlamaForCausalLM``."""
 
     def layer_ffn_sources(self, ours: str, hf: str) -> dict[str, HFSource]:
-        return {f"{ours}feed_forward.{mine}.weight": _one(f"{hf}mlp.{theirs}.weight")
-                for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
+        return _swiglu_sources(ours, hf)
 
     def hf_config(self) -> dict:
         a = self.args
@@ -103,6 +110,42 @@ class Llama3HFAdapter(_DecoderLMHFAdapter):
             "max_position_embeddings": a.max_seq_len,
             "attention_bias": a.attention_bias,
             "mlp_bias": False,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        }
+
+
+class Qwen3HFAdapter(_DecoderLMHFAdapter):
+    """``Qwen3`` <-> ``Qwen3ForCausalLM`` (untied head)."""
+
+    qk_norm = True
+
+    def layer_ffn_sources(self, ours: str, hf: str) -> dict[str, HFSource]:
+        return _swiglu_sources(ours, hf)
+
+    def hf_config(self) -> dict:
+        a = self.args
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "hidden_size": a.dim,
+            "intermediate_size": a.ffn_hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": a.max_seq_len,
+            "attention_bias": a.attention_bias,
+            # every layer attends over whole documents (ours has no sliding window; neither do
+            # the released Qwen3 dense configs)
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": a.n_layers,
             "hidden_act": "silu",
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",

@@ -1,0 +1,64 @@
+"""Qwen3 dense foundation (defaults: Qwen3-8B).
+
+Every layer: pre-norm GQA attention with per-head q/k RMSNorm (before RoPE), an explicit
+``head_dim`` (q/k/v widths need not equal the model width), no q/k/v bias and RoPE theta 1e6
+without scaling; then a SwiGLU feed-forward, as in Llama. Untied text head (Qwen3-8B, 14B,
+32B; 0.6B-4B tie theirs to the embedding, which ``DecoderLM`` does not). Weight names map
+onto Hugging Face ``Qwen3ForCausalLM`` through ``torchtitan_omni.foundations.hf_adapters``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan_omni.foundations.decoder import DecoderLM, PreNormBlock
+from torchtitan_omni.modules.attention import SelfAttention
+from torchtitan_omni.modules.mlp import SwiGLU
+from torchtitan_omni.modules.rope import RotaryEmbedding
+
+
+@dataclass
+class Qwen3Args:
+    """Qwen3 dense hyper-parameters (defaults: Qwen3-8B's config.json)."""
+
+    dim: int = 4096
+    n_layers: int = 36
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    vocab_size: int = 151936
+    ffn_hidden_dim: int = 12288
+    norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    #: RoPE table length (HF max_position_embeddings); raised to training.seq_len if shorter
+    max_seq_len: int = 40960
+    attention_bias: bool = False
+    #: depth-scaled init of output projections (TorchTitan's default)
+    depth_init: bool = True
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim
+
+
+class Qwen3Block(PreNormBlock):
+    """Pre-norm attention (q/k norm) + SwiGLU block."""
+
+    def __init__(self, layer_id: int, args: Qwen3Args, rope: RotaryEmbedding) -> None:
+        attention = SelfAttention(
+            args.dim, args.n_heads, args.n_kv_heads, args.head_dim, qkv_bias=args.attention_bias,
+            out_bias=args.attention_bias, qk_norm=True, norm_eps=args.norm_eps, rope=rope,
+        )
+        super().__init__(layer_id, args, attention, SwiGLU(args.dim, args.ffn_hidden_dim))
+
+
+class Qwen3(DecoderLM):
+    """Token embedding, Qwen3 blocks, final RMSNorm and the untied text head."""
+
+    def __init__(self, args: Qwen3Args) -> None:
+        super().__init__(args, lambda i, rope: Qwen3Block(i, args, rope))
+
+    def hf_adapter(self):
+        from torchtitan_omni.foundations.hf_adapters import Qwen3HFAdapter
+
+        return Qwen3HFAdapter(self.args)
