@@ -21,7 +21,7 @@ from torchtitan_omni.distributed.parallelize import apply_activation_checkpointi
 from torchtitan_omni.protocols import batch as B
 from torchtitan_omni.protocols.modules import AttentionMeta
 
-SPECS = ["janus", "llama_omni", "qwen3_moe_omni"]
+SPECS = ["janus", "llama_omni", "qwen3_moe_omni", "qwen3_omni"]
 
 
 def _job(spec: str, *extra: str):
