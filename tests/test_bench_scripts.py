@@ -67,7 +67,8 @@ RECOMPILE_LINES = [
     "[rank0]:V1123 13:12:22.874000 25037 site-packages/torch/_dynamo/guards.py:5396] [0/1] "
     "[__recompiles]     triggered by the following guard failure(s):",
     "[rank0]:V1123 13:12:22.874000 25037 site-packages/torch/_dynamo/guards.py:5396] [0/1] "
-    "[__recompiles]     - 0/0: tensor 'tokens' size mismatch at index 1. expected 7776, actual 7768",
+    "[__recompiles]     - 0/0: tensor 'tokens' size mismatch at index 1. expected 7776, "
+    "actual 7768",
 ]
 
 
@@ -121,7 +122,8 @@ def test_ratios_pair_points_of_the_same_gpus_seq_model_and_compile_setting():
     by["stock"]["media_share"] = 0.0
     text = bench.table(rows, "test device")
     line = next(x for x in text.splitlines() if x.startswith("| realistic |"))
-    assert "| realistic (50%) | no | 4,000 | 0.50x | 0.44x | 20.0% | - | 1.00 | 70.0 | - | ok |" in line
+    assert ("| realistic (50%) | no | 4,000 | 0.50x | 0.44x | 20.0% | - | 1.00 | 70.0 | - "
+            "| ok |") in line
     line = next(x for x in text.splitlines() if x.startswith("| realistic_compile |"))
     assert "| yes | 5,000 | 0.50x | - |" in line and line.endswith("| 3 | ok |")
     assert "| stock | 1 | 8K | text | no | 8,000 | 1.00x | - |" in text
