@@ -1,20 +1,34 @@
 """Throughput, MFU and peak memory of real-size training runs, one ``run_train.sh`` per point.
 
 Each point of a plan is a full training job (the real trainer, data pipeline and
-parallelism; random weights) on long omni documents built by
-``scripts/build_long_context_dataset.py`` for its sequence length, so attention spans the
-whole sequence. A plan may start with stock TorchTitan 0.2.2 (text-only Llama-3-8B on the
-bundled text) as the baseline of the same call. For each point it reads the per-step log
-lines and reports, over the steps after ``warmup``, the median real tokens/s per GPU, the
-MFU by the trainer's model-FLOP count (causal attention by real document lengths, encoders
-included), the MFU by TorchTitan's formula (``6 x non-embedding params + 12 x layers x
-heads x head_dim x seq_len`` per token, what stock runs print) and the peak reserved memory.
-Results go to a markdown table (with the exact command of each point) and a JSON file.
+parallelism; random weights) on one of three workloads, built before the points run by
+``scripts/build_long_context_dataset.py`` (one document per row, so attention spans the whole
+sequence):
 
-    python3 scripts/bench_scaling.py --plan llama_4gpu --out bench_llama.md
+- ``realistic``: images of 448-1,024 px, clips of 16-32 frames, 10-30 s of speech, about half
+  of each row's tokens (images, video and audio);
+- ``toy``: the bundled dataset's thumbnails (48 px images, 8-frame 32 px clips), under 1% of
+  the tokens (images and video);
+- ``text``: the bundled text, packed (stock TorchTitan's data, for the omni text-only point).
+
+A plan may hold stock TorchTitan 0.2.2 (Llama-3 on the bundled text) and the omni trainer on
+the same text as baselines of the same call. For each point it reads the per-step log lines
+and reports, over the steps after ``warmup``: the median tokens/s per GPU (every real LLM
+position, media placeholders included, as the trainer counts them), its ratio to the stock
+and text-only points of the same GPUs, sequence length and compile setting, the MFU by the
+trainer's model-FLOP count (causal attention by real document lengths, encoders included),
+the MFU by TorchTitan's formula (``6 x non-embedding params + 12 x layers x heads x head_dim x
+seq_len`` per token, what stock runs print), the median step time (between consecutive step
+lines), the peak reserved memory and, for ``torch.compile`` points (run with
+``TORCH_LOGS=recompiles``), the recompilations rank 0 logged. Results go to a markdown table
+(with the exact command of each point) and a JSON file.
+
+    python3 scripts/bench_scaling.py --plan omni_1gpu --out bench_1gpu.md --logs bench_logs
+    python3 scripts/bench_scaling.py --plan omni_2gpu --no-compile --out bench_2gpu.md
     python3 scripts/bench_scaling.py --plan smoke_cpu --out /tmp/smoke.md   # CPU, tiny models
 
-``--deadline`` (seconds) skips the points that would not finish in time, by their estimates.
+``--deadline`` (seconds) skips the points that would not finish in time, by their estimates;
+``--no-compile`` / ``--compile-only`` drop or keep only the ``torch.compile`` points.
 """
 
 from __future__ import annotations
@@ -31,9 +45,21 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOCK_TEXT = "data/stock_text"
+WORKLOADS = ("realistic", "toy", "text")
+# the cut 8B flavors of stock TorchTitan (scripts/titan_flavors.py)
+FLAVORS_MODULE = "scripts.titan_flavors"
+LAYER_CUTS = (4, 8, 12, 16, 20, 24, 28)
+COMPILE = ("--compile.enable", "--compile.components", "model,loss")
+# Realistic media cost the loader ~0.5 s of CPU per 8K row: the omni default
+# (training.dataloader.num_workers = -1) decodes them in loader workers on GPU runs.
+# Rows are single documents, so a small buffer packs them alike and starts faster.
+LONG_DOCS = ("--data.buffer_docs", "4")
+MODALITIES = {"realistic": ("--data.modalities", "image,video,audio"),
+              "toy": ("--data.modalities", "image,video"), "text": ()}
 
 
 @dataclass
@@ -41,7 +67,7 @@ class Point:
     """One training job of a plan."""
 
     name: str
-    config: str
+    config: str  # omni TOML, or the llama3 flavor of a stock point
     ngpu: int
     seq_len: int
     args: tuple[str, ...] = ()
@@ -49,15 +75,31 @@ class Point:
     warmup: int = 3
     estimate_s: int = 90  # for --deadline
     stock: bool = False  # stock TorchTitan (torchtitan.train, Llama-3), else run_train.sh
-    text_only: bool = False  # the bundled plain text instead of long omni documents
+    workload: str = "toy"  # realistic, toy or text (stock points: text)
+    compile: bool = False  # torch.compile (model, loss), TORCH_LOGS=recompiles
     env: dict[str, str] = field(default_factory=dict)
+    build_args: tuple[str, ...] = ()  # extra arguments of its dataset's builder
+
+    def __post_init__(self) -> None:
+        if self.stock:
+            self.workload = "text"
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"point {self.name}: unknown workload {self.workload!r}")
 
     def dataset(self) -> str:
-        if self.stock or self.text_only:
+        if self.workload == "text":
             return STOCK_TEXT
         # per config: media token counts (and so what fits) depend on the model's processors
         stem = os.path.splitext(os.path.basename(self.config))[0]
-        return f"data/long_context/{stem}_{self.seq_len // 1024}k"
+        folder = "realistic" if self.workload == "realistic" else "long_context"
+        return f"data/{folder}/{stem}_{self.seq_len // 1024}k"
+
+    def build_command(self) -> list[str]:
+        """The builder call of this point's dataset (not for the text workload)."""
+        return [sys.executable, "scripts/build_long_context_dataset.py", "--config", self.config,
+                "--seq-len", str(self.seq_len), "--out", self.dataset(), "--workload",
+                self.workload, "--rows", "16" if self.seq_len <= 32768 else "8", "--quiet",
+                *self.build_args]
 
     def command(self) -> list[str]:
         # The LR warm-up is cut to the run's length (TorchTitan would do the same; torchtitan-omni
@@ -65,20 +107,27 @@ class Point:
         common = ["--training.seq_len", str(self.seq_len), "--training.steps", str(self.steps),
                   "--lr_scheduler.warmup_steps", str(self.steps),
                   "--metrics.log_freq", "1", "--training.local_batch_size", "1"]
+        extra = [*self.args, *(COMPILE if self.compile else ())]
         if self.stock:
             return ["torchrun", f"--nproc_per_node={self.ngpu}", "--rdzv_backend", "c10d",
                     "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank",
-                    "--tee", "3", "-m", "torchtitan.train", "--model.name", "llama3",
+                    "--tee", "3", "-m", "torchtitan.train",
+                    "--experimental.custom_import", FLAVORS_MODULE, "--model.name", "llama3",
                     "--model.flavor", self.config, "--model.hf_assets_path", "assets/tokenizer",
                     "--training.dataset", "c4_test", "--training.dataset_path", self.dataset(),
-                    "--job.dump_folder", f"outputs/bench_{self.name}", *common, *self.args]
+                    "--job.dump_folder", f"outputs/bench_{self.name}", *common, *extra]
+        data = [*MODALITIES[self.workload]]
+        if self.workload != "text":
+            data += LONG_DOCS
         return ["./run_train.sh", "--training.dataset", "long_context", "--training.dataset_path",
                 self.dataset(), "--job.dump_folder", f"outputs/bench_{self.name}",
                 "--checkpoint.no-enable", "--metrics.no-enable_tensorboard",
-                *common, *self.args]
+                *common, *data, *extra]
 
     def environment(self) -> dict[str, str]:
         env = {"NGPU": str(self.ngpu), **self.env}
+        if self.compile:
+            env.setdefault("TORCH_LOGS", "recompiles")
         if not self.stock:
             env["CONFIG_FILE"] = self.config
         return env
@@ -90,85 +139,198 @@ class Point:
 
 LLAMA8B = "train_configs/llama_omni_8B.toml"
 MOE = "train_configs/qwen3_moe_omni_30B_A3B.toml"
-SEL = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
+LLAMA_DEBUG = "train_configs/llama_omni_debug.toml"
+MOE_DEBUG = "train_configs/qwen3_moe_omni_debug.toml"
+SEL = ("--activation_checkpoint.mode", "selective",
+       "--activation_checkpoint.selective_ac_option", "op")
 FULL = ("--activation_checkpoint.mode", "full")
-LLAMA_DATA = ("--data.modalities", "image,video")
-MOE_12L = ("--omni.llm_layers", "12", "--data.modalities", "image,video")
+
+
+def _layers(n: int) -> tuple[str, ...]:
+    return ("--omni.llm_layers", str(n))
 
 
 def _sp(n: int) -> tuple[str, ...]:
     # each SP rank encodes a share of the media items (not all of them)
-    return ("--parallelism.ulysses_degree", str(n), "--parallelism.encoder_sequence_parallel", "split")
+    return ("--parallelism.ulysses_degree", str(n),
+            "--parallelism.encoder_sequence_parallel", "split")
 
 
 def _ep(n: int) -> tuple[str, ...]:
     return ("--parallelism.expert_parallel_degree", str(n))
 
 
-PLANS: dict[str, list[Point]] = {
-    # LLaMA#Omni 8B (images and video), FSDP + Ulysses on 4 GPUs, stock TorchTitan first.
-    "llama_4gpu": [
-        Point("stock_llama3_8B_8k_fsdp4", "8B", 4, 8192, SEL, steps=12, stock=True, estimate_s=70),
-        Point("omni_8B_8k_sp1", LLAMA8B, 4, 8192, LLAMA_DATA + SEL, steps=12, estimate_s=80),
-        Point("omni_8B_32k_sp4", LLAMA8B, 4, 32768, LLAMA_DATA + SEL + _sp(4), steps=8, estimate_s=80),
-        Point("omni_8B_128k_sp4_full_ac", LLAMA8B, 4, 131072, LLAMA_DATA + FULL + _sp(4),
-              steps=5, warmup=2, estimate_s=150),
-        Point("omni_8B_64k_sp4_full_ac", LLAMA8B, 4, 65536, LLAMA_DATA + FULL + _sp(4),
-              steps=6, warmup=2, estimate_s=90),
-        Point("omni_8B_16k_sp2", LLAMA8B, 4, 16384, LLAMA_DATA + SEL + _sp(2), steps=8, estimate_s=70),
-        # the omni model on the stock run's text: the LLM path alone (every part skipped)
-        Point("omni_8B_8k_text_only", LLAMA8B, 4, 8192, SEL, steps=12, text_only=True, estimate_s=70),
-    ],
-    # Qwen3-MoE#Omni at the 30B-A3B layer shape cut to 12 layers (as the VeOmni anchor on
-    # 4x H200), EP4 and EP2 x SP2, full activation checkpointing.
-    "moe_4gpu": [
-        Point("moe_30B-A3B_12L_8k_ep4", MOE, 4, 8192, MOE_12L + FULL + _ep(4), steps=10, estimate_s=80),
-        Point("moe_30B-A3B_12L_16k_ep4", MOE, 4, 16384, MOE_12L + FULL + _ep(4), steps=8, estimate_s=80),
-        Point("moe_30B-A3B_12L_8k_ep2_sp2", MOE, 4, 8192, MOE_12L + FULL + _ep(2) + _sp(2),
-              steps=10, estimate_s=80),
-        Point("moe_30B-A3B_12L_32k_ep4", MOE, 4, 32768, MOE_12L + FULL + _ep(4), steps=6, estimate_s=90),
-        Point("moe_30B-A3B_12L_64k_ep2_sp2", MOE, 4, 65536, MOE_12L + FULL + _ep(2) + _sp(2),
-              steps=5, warmup=2, estimate_s=100),
-    ],
-    # The issue's 8-GPU runs, for when nvidia-h200-x8 is lent.
-    "llama_8gpu": [
-        Point("stock_llama3_8B_8k_fsdp8", "8B", 8, 8192, SEL, steps=12, stock=True),
-        *[Point(f"omni_8B_{s // 1024}k_sp{sp}", LLAMA8B, 8, s, LLAMA_DATA + (SEL if s <= 32768 else FULL)
-                + _sp(sp), steps=6, warmup=2)
-          for s, sp in ((8192, 1), (32768, 2), (65536, 4), (131072, 8), (196608, 8))],
-    ],
-    "moe_8gpu": [
-        *[Point(f"moe_30B-A3B_{s // 1024}k_ep8", MOE, 8, s, FULL + _ep(8) + LLAMA_DATA, steps=6, warmup=2)
-          for s in (8192, 16384, 32768, 65536)],
-        Point("moe_30B-A3B_32k_ep4_sp2", MOE, 8, 32768, FULL + _ep(4) + _sp(2) + LLAMA_DATA, steps=6, warmup=2),
-    ],
-    # CPU check of the runner itself: tiny flavors, every kind of point.
-    "smoke_cpu": [
-        Point("smoke_llama_sp2", "train_configs/llama_omni_debug.toml", 2, 2048,
-              LLAMA_DATA + _sp(2), steps=4, warmup=1),
-        Point("smoke_moe_ep2", "train_configs/qwen3_moe_omni_debug.toml", 2, 1024,
-              ("--omni.llm_layers", "1") + LLAMA_DATA + _ep(2),
-              steps=4, warmup=1),
-        Point("smoke_llama_text_only", "train_configs/llama_omni_debug.toml", 2, 1024, (),
-              steps=4, warmup=1, text_only=True),
-    ],
-}
+def compiled(point: Point, estimate_s: int = 60) -> Point:
+    """The ``torch.compile`` variant of a point (compilation adds to its run time)."""
+    return dataclasses.replace(point, name=f"{point.name}_compile", compile=True,
+                               estimate_s=point.estimate_s + estimate_s)
 
+
+def omni_1gpu(layers: int = 16) -> list[Point]:
+    """One GPU, the 8B layer shape cut to ``layers`` LLM layers (full vision tower): stock
+    TorchTitan, omni text-only, realistic and toy at 8K; then each compiled."""
+    cut, stem = _layers(layers), f"8B_{layers}L"
+    eager = [
+        Point(f"stock_llama3_{stem}_8k", f"8B_{layers}L", 1, 8192, SEL, stock=True, estimate_s=70),
+        Point(f"omni_{stem}_8k_text_only", LLAMA8B, 1, 8192, cut + SEL, workload="text",
+              estimate_s=80),
+        Point(f"omni_{stem}_8k_realistic", LLAMA8B, 1, 8192, cut + SEL, workload="realistic",
+              estimate_s=90),
+        Point(f"omni_{stem}_8k_toy", LLAMA8B, 1, 8192, cut + SEL, workload="toy", estimate_s=80),
+    ]
+    return eager + [compiled(p) for p in eager]
+
+
+def omni_2gpu() -> list[Point]:
+    """Two GPUs, full 8B, FSDP2: stock, text-only, realistic and toy at 8K, realistic at 32K
+    with Ulysses SP2; then the 8K points compiled."""
+    eager = [
+        Point("stock_llama3_8B_8k_fsdp2", "8B", 2, 8192, SEL, stock=True, estimate_s=80),
+        Point("omni_8B_8k_text_only", LLAMA8B, 2, 8192, SEL, workload="text", estimate_s=90),
+        Point("omni_8B_8k_realistic", LLAMA8B, 2, 8192, SEL, workload="realistic", estimate_s=100),
+        Point("omni_8B_8k_toy", LLAMA8B, 2, 8192, SEL, workload="toy", estimate_s=90),
+    ]
+    # full AC: 16K tokens per rank next to 71 GiB of sharded fp32 states and AdamW moments
+    long = Point("omni_8B_32k_sp2_full_ac_realistic", LLAMA8B, 2, 32768, FULL + _sp(2),
+                 steps=6, warmup=2, workload="realistic", estimate_s=120)
+    return eager + [long] + [compiled(p) for p in eager]
+
+
+def llama_4gpu() -> list[Point]:
+    """LLaMA#Omni 8B, FSDP + Ulysses on 4 GPUs: realistic rows first, toy rows second."""
+    return [
+        Point("stock_llama3_8B_8k_fsdp4", "8B", 4, 8192, SEL, steps=12, stock=True, estimate_s=70),
+        Point("omni_8B_8k_sp1_realistic", LLAMA8B, 4, 8192, SEL, steps=12, workload="realistic",
+              estimate_s=90),
+        Point("omni_8B_8k_sp1_toy", LLAMA8B, 4, 8192, SEL, steps=12, estimate_s=80),
+        # the omni model on the stock run's text: the LLM path alone (every part skipped)
+        Point("omni_8B_8k_text_only", LLAMA8B, 4, 8192, SEL, steps=12, workload="text",
+              estimate_s=70),
+        Point("omni_8B_32k_sp4_realistic", LLAMA8B, 4, 32768, SEL + _sp(4), steps=8,
+              workload="realistic", estimate_s=100),
+        Point("omni_8B_128k_sp4_full_ac_realistic", LLAMA8B, 4, 131072, FULL + _sp(4), steps=5,
+              warmup=2, workload="realistic", estimate_s=180),
+        Point("omni_8B_64k_sp4_full_ac_realistic", LLAMA8B, 4, 65536, FULL + _sp(4), steps=6,
+              warmup=2, workload="realistic", estimate_s=110),
+        Point("omni_8B_16k_sp2_realistic", LLAMA8B, 4, 16384, SEL + _sp(2), steps=8,
+              workload="realistic", estimate_s=90),
+    ]
+
+
+def moe_4gpu() -> list[Point]:
+    """Qwen3-MoE#Omni at the 30B-A3B layer shape cut to 12 layers (as the VeOmni anchor on 4x
+    H200), EP4 and EP2 x SP2, full activation checkpointing."""
+    cut = _layers(12) + FULL
+    return [
+        Point("moe_30B-A3B_12L_8k_ep4_realistic", MOE, 4, 8192, cut + _ep(4), workload="realistic",
+              estimate_s=90),
+        Point("moe_30B-A3B_12L_8k_ep4_toy", MOE, 4, 8192, cut + _ep(4), estimate_s=80),
+        Point("moe_30B-A3B_12L_16k_ep4_realistic", MOE, 4, 16384, cut + _ep(4), steps=8,
+              workload="realistic", estimate_s=90),
+        Point("moe_30B-A3B_12L_8k_ep2_sp2_realistic", MOE, 4, 8192, cut + _ep(2) + _sp(2),
+              workload="realistic", estimate_s=90),
+        Point("moe_30B-A3B_12L_32k_ep4_realistic", MOE, 4, 32768, cut + _ep(4), steps=6,
+              workload="realistic", estimate_s=100),
+        Point("moe_30B-A3B_12L_64k_ep2_sp2_realistic", MOE, 4, 65536, cut + _ep(2) + _sp(2),
+              steps=5, warmup=2, workload="realistic", estimate_s=110),
+    ]
+
+
+def llama_8gpu() -> list[Point]:
+    """The 8-GPU runs, for when nvidia-h200-x8 is lent."""
+    points = [
+        Point("stock_llama3_8B_8k_fsdp8", "8B", 8, 8192, SEL, steps=12, stock=True),
+        Point("omni_8B_8k_sp1_realistic", LLAMA8B, 8, 8192, SEL, steps=8, warmup=2,
+              workload="realistic"),
+        Point("omni_8B_8k_sp1_toy", LLAMA8B, 8, 8192, SEL, steps=8, warmup=2),
+    ]
+    for s, sp in ((32768, 2), (65536, 4), (131072, 8), (196608, 8)):
+        ac = SEL if s <= 32768 else FULL
+        points.append(Point(f"omni_8B_{s // 1024}k_sp{sp}_realistic", LLAMA8B, 8, s, ac + _sp(sp),
+                            steps=6, warmup=2, workload="realistic"))
+    return points
+
+
+def moe_8gpu() -> list[Point]:
+    """The full Qwen3-MoE#Omni 30B-A3B on 8 GPUs."""
+    def point(name: str, seq: int, layout: tuple[str, ...], workload: str = "realistic") -> Point:
+        return Point(name, MOE, 8, seq, FULL + layout, steps=6, warmup=2, workload=workload)
+
+    return [
+        point("moe_30B-A3B_8k_ep8_realistic", 8192, _ep(8)),
+        point("moe_30B-A3B_8k_ep8_toy", 8192, _ep(8), "toy"),
+        *[point(f"moe_30B-A3B_{s // 1024}k_ep8_realistic", s, _ep(8))
+          for s in (16384, 32768, 65536)],
+        point("moe_30B-A3B_32k_ep4_sp2_realistic", 32768, _ep(4) + _sp(2)),
+    ]
+
+
+def smoke_cpu() -> list[Point]:
+    """CPU check of the runner itself: tiny flavors, every kind of point."""
+    dense = ("--image-every", "256", "--video-every", "512")  # media in short toy rows too
+    return [
+        Point("smoke_llama_sp2_toy", LLAMA_DEBUG, 2, 2048, _sp(2), steps=4, warmup=1,
+              build_args=dense),
+        Point("smoke_moe_ep2_toy", MOE_DEBUG, 2, 1024, _layers(1) + _ep(2), steps=4, warmup=1,
+              build_args=dense),
+        Point("smoke_llama_text_only", LLAMA_DEBUG, 2, 1024, (), steps=4, warmup=1,
+              workload="text"),
+        Point("smoke_llama_realistic", LLAMA_DEBUG, 2, 1024, (), steps=4, warmup=1,
+              workload="realistic"),
+    ]
+
+
+def build_plans(llm_layers: int = 16) -> dict[str, list[Point]]:
+    """Every plan; ``llm_layers``: the LLM layers of the 1-GPU plan."""
+    return {"omni_1gpu": omni_1gpu(llm_layers), "omni_2gpu": omni_2gpu(),
+            "llama_4gpu": llama_4gpu(), "moe_4gpu": moe_4gpu(), "llama_8gpu": llama_8gpu(),
+            "moe_8gpu": moe_8gpu(), "smoke_cpu": smoke_cpu()}
+
+
+PLANS = build_plans()
+
+# ----------------------------------------------------------------- reading logs
 STEP_LINE = re.compile(
-    r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?tflops:\s*([\d,.]+).*?mfu:\s*([\d.]+)%"
+    r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?tflops:\s*([\d,.]+)"
+    r".*?mfu:\s*([\d.]+)%"
 )
+TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}[,.]\d{3})")
+RECOMPILE = "Recompiling function"  # dynamo's line under TORCH_LOGS=recompiles
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def _seconds(stamp: str) -> float:
+    """A log timestamp (``2026-11-22 18:07:05,202``) in seconds."""
+    return datetime.strptime(stamp.replace("T", " ").replace(",", "."),
+                             "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
 def parse_steps(log: str) -> list[dict]:
-    """The per-step metrics of a TorchTitan (stock or omni) log."""
+    """The per-step metrics of a TorchTitan (stock or omni) log; ``time`` (s) when the line
+    carries a timestamp."""
     out = []
     for line in ANSI.sub("", log).splitlines():
         m = STEP_LINE.search(line)
         if m:
-            out.append({"step": int(m[1]), "mem_gib": float(m[2]), "tps": float(m[3].replace(",", "")),
-                        "tflops": float(m[4].replace(",", "")), "mfu": float(m[5])})
+            step = {"step": int(m[1]), "mem_gib": float(m[2]), "tps": float(m[3].replace(",", "")),
+                    "tflops": float(m[4].replace(",", "")), "mfu": float(m[5])}
+            stamp = TIMESTAMP.search(line)
+            if stamp:
+                step["time"] = _seconds(stamp[1])
+            out.append(step)
     return out
+
+
+def count_recompiles(log: str) -> int:
+    """torch.compile recompilations logged (rank 0's, under ``TORCH_LOGS=recompiles``)."""
+    return sum(RECOMPILE in line for line in log.splitlines())
+
+
+def step_time(steps: list[dict], warmup: int) -> float | None:
+    """Median seconds between consecutive step lines after ``warmup`` (log_freq 1)."""
+    times = {s["step"]: s["time"] for s in steps if "time" in s}
+    gaps = [times[k] - times[k - 1] for k in sorted(times) if k > warmup and k - 1 in times]
+    return statistics.median(gaps) if gaps else None
 
 
 def titan_flops_per_token(point: Point) -> float:
@@ -181,6 +343,9 @@ def titan_flops_per_token(point: Point) -> float:
     from torchtitan_omni.config.manager import parse_job_config
 
     if point.stock:
+        import importlib
+
+        importlib.import_module(FLAVORS_MODULE)  # the cut flavors, as the stock run imports them
         spec = get_train_spec("llama3")
         args = spec.model_args[point.config]
     else:
@@ -196,65 +361,140 @@ def titan_flops_per_token(point: Point) -> float:
     return float(flops)
 
 
-def summarize(point: Point, steps: list[dict], wall_s: float, rc: int) -> dict:
-    row = {"name": point.name, "ngpu": point.ngpu, "seq_len": point.seq_len, "rc": rc,
-           "wall_s": round(wall_s), "command": point.shell(), "steps_logged": len(steps)}
+def _identity(point: Point) -> dict:
+    """What a row says about its point (the ratios pair rows by these)."""
+    return {"name": point.name, "config": point.config, "ngpu": point.ngpu,
+            "seq_len": point.seq_len, "stock": point.stock, "workload": point.workload,
+            "compile": point.compile}
+
+
+def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "") -> dict:
+    """A point's row: medians over the steps after warm-up, peak memory over all."""
+    row = {**_identity(point), "rc": rc, "wall_s": round(wall_s), "command": point.shell(),
+           "steps_logged": len(steps),
+           "recompiles": count_recompiles(log) if point.compile else None}
     timed = [s for s in steps if s["step"] > point.warmup]
     if not timed:
         return row
     tps = statistics.median(s["tps"] for s in timed)
     mfu = statistics.median(s["mfu"] for s in timed)
     tflops = statistics.median(s["tflops"] for s in timed)
-    row.update(tps=tps, mfu=mfu, mem_gib=max(s["mem_gib"] for s in steps))
+    row.update(tps=tps, mfu=mfu, mem_gib=max(s["mem_gib"] for s in steps),
+               step_s=step_time(steps, point.warmup))
     if mfu > 0 and tflops > 0:
         peak = tflops * 1e12 / (mfu / 100)
         row["mfu_titan"] = 100 * tps * titan_flops_per_token(point) / peak
     return row
 
 
-def prepare_data(points: list[Point]) -> None:
-    """Long-context datasets for the omni points (built in parallel once the bundled dataset
-    exists), bundled text for the stock ones."""
+def add_ratios(rows: list[dict]) -> None:
+    """Each measured row's tokens/s over the stock row of the same GPUs, sequence length and
+    compile setting (``vs_stock``), and over the omni text-only row of the same model too
+    (``vs_text``), when those were measured."""
+    def key(r, model: bool):
+        return r["ngpu"], r["seq_len"], r.get("compile", False), r.get("config") if model else None
+
+    stock = {key(r, False): r["tps"] for r in rows if r.get("stock") and "tps" in r}
+    text = {key(r, True): r["tps"] for r in rows
+            if not r.get("stock") and r.get("workload") == "text" and "tps" in r}
+    for r in rows:
+        if "tps" not in r:
+            continue
+        for name, ref, model in (("vs_stock", stock, False), ("vs_text", text, True)):
+            if ref.get(key(r, model)):
+                r[name] = r["tps"] / ref[key(r, model)]
+
+
+# ----------------------------------------------------------------- datasets
+def _built(point: Point) -> bool:
+    """Whether the point's dataset is there, built with the arguments it would be now."""
+    path = os.path.join(REPO, point.dataset(), "manifest.json")
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return m.get("arguments") == point.build_command()[2:]  # built by this very command
+
+
+def _ensure_stock_text() -> None:
+    """The bundled text as one file, the stock runs' (and the text-only points') dataset."""
+    subprocess.run([sys.executable, "-c", "from torchtitan_omni.data.default_dataset import "
+                    "ensure_default_dataset as e; e(tokenizer_dir='assets/tokenizer')"],
+                   cwd=REPO, check=True)
+    os.makedirs(os.path.join(REPO, STOCK_TEXT), exist_ok=True)
+    with open(os.path.join(REPO, "data/omni_default/train-text.jsonl")) as f, \
+            open(os.path.join(REPO, STOCK_TEXT, "train.jsonl"), "w") as g:
+        g.write(f.read())
+
+
+def prepare_data(points: list[Point]) -> tuple[list[str], float]:
+    """Build the datasets the points need and are missing (the bundled dataset and text
+    first, realistic ones before toy ones: the first makes the shared media cache); returns
+    the datasets built and the seconds it took."""
+    start = time.monotonic()
     builds = {}
-    for point in points:
-        if point.dataset() != STOCK_TEXT and not os.path.exists(os.path.join(REPO, point.dataset(), "train.jsonl")):
-            builds.setdefault(point.dataset(), [
-                sys.executable, "scripts/build_long_context_dataset.py", "--config", point.config,
-                "--seq-len", str(point.seq_len), "--out", point.dataset(),
-                "--rows", "16" if point.seq_len <= 32768 else "8"])
-    commands = list(builds.values())
-    if commands:  # the first one builds the bundled dataset if needed
-        subprocess.run(commands[0], cwd=REPO, check=True)
-    procs = [subprocess.Popen(c, cwd=REPO) for c in commands[1:]]
-    if any(p.wait() for p in procs):
-        raise SystemExit("building a long-context dataset failed (see above)")
-    if any(p.dataset() == STOCK_TEXT for p in points):
-        if not commands:  # the bundled dataset itself
-            subprocess.run([sys.executable, "-c", "from torchtitan_omni.data.default_dataset import "
-                            "ensure_default_dataset as e; e(tokenizer_dir='assets/tokenizer')"], cwd=REPO, check=True)
-        os.makedirs(os.path.join(REPO, STOCK_TEXT), exist_ok=True)
-        src = os.path.join(REPO, "data/omni_default/train-text.jsonl")
-        with open(src) as f, open(os.path.join(REPO, STOCK_TEXT, "train.jsonl"), "w") as g:
-            g.write(f.read())
+    for p in sorted(points, key=lambda p: WORKLOADS.index(p.workload)):
+        if p.workload != "text" and not _built(p):
+            builds.setdefault(p.dataset(), p.build_command())
+    if any(p.workload == "text" for p in points):
+        _ensure_stock_text()
+    # one at a time: each build already uses every core for media, and later builds reuse
+    # the media and processing results the first one cached
+    for cmd in builds.values():
+        if subprocess.run(cmd, cwd=REPO).returncode:
+            raise SystemExit(f"building a dataset failed: {shlex.join(cmd)}")
+    return list(builds), time.monotonic() - start
 
 
-def table(rows: list[dict], device: str) -> str:
+def media_share(point: Point) -> float | None:
+    """The media share of the point's dataset (its builder's manifest)."""
+    if point.workload == "text":
+        return 0.0
+    try:
+        with open(os.path.join(REPO, point.dataset(), "manifest.json")) as f:
+            return json.load(f).get("media_share")
+    except (OSError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------- the table
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _data_cell(row: dict) -> str:
+    """``realistic (50%)``: the workload and its media share (two digits under 1%)."""
+    share, workload = row.get("media_share"), row.get("workload", "-")
+    if share is None or workload == "text":
+        return workload
+    return f"{workload} ({100 * share:{'.2g' if share < 0.01 else '.0f'}}%)"
+
+
+def table(rows: list[dict], device: str, data_note: str = "") -> str:
+    """The markdown table of a run, then each point's command."""
     lines = [
-        f"Device: {device}. tokens/s/GPU and MFU: medians over the steps after warm-up; memory: "
-        "peak reserved.",
+        f"Device: {device}. tokens/s/GPU (every real LLM position, media included), MFU and "
+        "step time: medians over the steps after warm-up; vs stock / vs text-only: tokens/s "
+        "over the stock and omni text-only points of the same GPUs, seq and compile setting; "
+        "memory: peak reserved; recompiles: rank 0's under TORCH_LOGS=recompiles.",
+        *([data_note] if data_note else []),
         "",
-        "| point | GPUs | seq | tokens/s/GPU | MFU (model FLOPs) | MFU (TorchTitan formula) | peak mem (GiB) | status |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| point | GPUs | seq | data (media share) | compile | tokens/s/GPU | vs stock "
+        "| vs text-only | MFU (model FLOPs) | MFU (TorchTitan formula) | step (s) "
+        "| peak mem (GiB) | recompiles | status |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        if "tps" in r:
-            status = "ok" if r["rc"] == 0 else r.get("status", f"exit {r['rc']}")
-            mt = f"{r['mfu_titan']:.1f}%" if "mfu_titan" in r else "-"
-            lines.append(f"| {r['name']} | {r['ngpu']} | {r['seq_len'] // 1024}K | {r['tps']:,.0f} | "
-                         f"{r['mfu']:.1f}% | {mt} | {r['mem_gib']:.1f} | {status} |")
-        else:
-            lines.append(f"| {r['name']} | {r['ngpu']} | {r['seq_len'] // 1024}K | - | - | - | - | "
-                         f"{r.get('status', 'exit %s' % r.get('rc'))} |")
+        status = r.get("status") or ("ok" if r.get("rc") == 0 else f"exit {r.get('rc')}")
+        recompiles = "-" if r.get("recompiles") is None else str(r["recompiles"])
+        lines.append(
+            f"| {r['name']} | {r['ngpu']} | {r['seq_len'] // 1024}K | {_data_cell(r)} | "
+            f"{'yes' if r.get('compile') else 'no'} | {_fmt(r.get('tps'), ',.0f')} | "
+            f"{_fmt(r.get('vs_stock'), '.2f', 'x')} | {_fmt(r.get('vs_text'), '.2f', 'x')} | "
+            f"{_fmt(r.get('mfu'), '.1f', '%')} | {_fmt(r.get('mfu_titan'), '.1f', '%')} | "
+            f"{_fmt(r.get('step_s'), '.2f')} | {_fmt(r.get('mem_gib'), '.1f')} | {recompiles} | "
+            f"{status} |")
     lines += ["", "Commands:", ""]
     lines += [f"- `{r['name']}`: `{r['command']}`" for r in rows]
     return "\n".join(lines) + "\n"
@@ -264,60 +504,92 @@ def device_name() -> str:
     import torch
 
     if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}, torch {torch.__version__}"
+        return (f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}, "
+                f"torch {torch.__version__}")
     return f"CPU (gloo), torch {torch.__version__}"
 
 
-def main() -> None:
+# ----------------------------------------------------------------- running
+def run_point(point: Point, timeout: float | None) -> tuple[str, object]:
+    """Run one point; returns (log, exit code or "timeout")."""
+    # own process group: a point past the deadline is stopped with torchrun's workers
+    proc = subprocess.Popen(point.command(), cwd=REPO, env={**os.environ, **point.environment()},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        return proc.communicate(timeout=timeout)[0], proc.returncode
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: torchrun then stops its workers (they run in sessions of their own)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            log = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log = proc.communicate()[0]
+        return log, "timeout"
+
+
+def select(points: list[Point], only: str, no_compile: bool, compile_only: bool) -> list[Point]:
+    """The points to run: by name (``only``, comma-separated) and compile setting."""
+    names = set(filter(None, only.split(",")))
+    unknown = names - {p.name for p in points}
+    if unknown:
+        raise SystemExit(f"bench_scaling: no point {', '.join(sorted(unknown))} in this plan")
+    return [p for p in points if (not names or p.name in names)
+            and not (no_compile and p.compile) and not (compile_only and not p.compile)]
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--plan", choices=sorted(PLANS), required=True)
     p.add_argument("--only", default="", help="comma-separated point names (default: all)")
     p.add_argument("--out", required=True, help="markdown table (a .json file goes beside it)")
     p.add_argument("--logs", default="", help="folder for each point's full log")
-    p.add_argument("--deadline", type=float, default=0, help="seconds; skip points that would not fit")
+    p.add_argument("--deadline", type=float, default=0,
+                   help="seconds; skip points that would not fit")
     p.add_argument("--extra", default="", help="arguments appended to every point (e.g. profiling)")
-    args = p.parse_args()
+    p.add_argument("--no-compile", action="store_true", help="drop the torch.compile points")
+    p.add_argument("--compile-only", action="store_true", help="only the torch.compile points")
+    p.add_argument("--llm-layers", type=int, default=16, choices=LAYER_CUTS,
+                   help="LLM layers of the omni_1gpu plan (16 needs an H200's 141 GB)")
+    args = p.parse_args(argv)
+    if args.no_compile and args.compile_only:
+        p.error("--no-compile and --compile-only exclude each other")
 
     start = time.monotonic()
-    points = [pt for pt in PLANS[args.plan] if not args.only or pt.name in args.only.split(",")]
+    points = select(build_plans(args.llm_layers)[args.plan], args.only, args.no_compile,
+                    args.compile_only)
     if args.extra:
-        points = [dataclasses.replace(pt, args=pt.args + tuple(shlex.split(args.extra))) for pt in points]
-    prepare_data(points)
+        extra = tuple(shlex.split(args.extra))
+        points = [dataclasses.replace(pt, args=pt.args + extra) for pt in points]
+    built, data_s = prepare_data(points)
+    data_note = (f"Datasets built before the points in {data_s:.0f} s: {', '.join(built)}."
+                 if built else "Datasets: all present.")
+    print(data_note, flush=True)
     rows = []
     for point in points:
         left = args.deadline - (time.monotonic() - start) if args.deadline else None
         if left is not None and left < point.estimate_s:
-            rows.append({"name": point.name, "ngpu": point.ngpu, "seq_len": point.seq_len,
-                         "command": point.shell(), "status": "not run (deadline)"})
+            rows.append({**_identity(point), "command": point.shell(),
+                         "status": "not run (deadline)"})
             continue
         t0 = time.monotonic()
-        # own process group: a point past the deadline is stopped with torchrun's workers
-        proc = subprocess.Popen(point.command(), cwd=REPO, env={**os.environ, **point.environment()},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            log, rc = proc.communicate(timeout=left)[0], proc.returncode
-        except subprocess.TimeoutExpired:
-            # SIGTERM first: torchrun then stops its workers (they run in sessions of their own)
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                log = proc.communicate(timeout=30)[0]
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                log = proc.communicate()[0]
-            rc = "timeout"
+        log, rc = run_point(point, left)
         if args.logs:
             os.makedirs(args.logs, exist_ok=True)
             with open(os.path.join(args.logs, f"{point.name}.log"), "w") as f:
                 f.write(log)
-        row = summarize(point, parse_steps(log), time.monotonic() - t0, rc)
+        row = summarize(point, parse_steps(log), time.monotonic() - t0, rc, log)
         if rc != 0:
             oom = "out of memory" in log.lower() or "OutOfMemoryError" in log
             row["status"] = "OOM" if oom else (rc if rc == "timeout" else f"exit {rc}")
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+    for point, row in zip(points, rows):
+        row["media_share"] = media_share(point)
+    add_ratios(rows)
 
-    text = table(rows, device_name())
+    text = table(rows, device_name(), data_note)
     with open(args.out, "w") as f:
         f.write(text)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:

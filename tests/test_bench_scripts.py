@@ -1,6 +1,10 @@
-"""The benchmark scripts' own logic: reading training logs and profiler traces."""
+"""The benchmark scripts' own logic: reading training logs and profiler traces, the plans,
+their ratios and the stock TorchTitan flavors they use."""
 
+import importlib
 import json
+
+import pytest
 
 from tests.harness import load_script as _script
 
@@ -19,7 +23,8 @@ STOCK_LINE = (
 def test_step_lines_of_omni_and_stock_logs():
     bench = _script("bench_scaling")
     steps = bench.parse_steps("\n".join(["noise", OMNI_LINE, STOCK_LINE]))
-    assert steps == [
+    assert steps[1]["time"] - steps[0]["time"] == pytest.approx(-55.202)  # from the timestamps
+    assert [{k: v for k, v in s.items() if k != "time"} for s in steps] == [
         {"step": 11, "mem_gib": 74.12, "tps": 4424.0, "tflops": 226.62, "mfu": 22.91},
         {"step": 12, "mem_gib": 63.74, "tps": 8507.0, "tflops": 492.69, "mfu": 49.82},
     ]
@@ -47,3 +52,128 @@ def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
     assert "communication kernels 9.0 ms" in text
     assert "gaps >= 2 ms: 10.0 ms (1 gaps)" in text
     assert "10.0 ms  aten::_local_scalar_dense" in text
+
+
+def _omni_line(step: int, stamp: str, tps: int) -> str:
+    return (f"[rank0]:[titan] 2026-11-23 {stamp} - root - INFO - step: {step}  loss:  7.1 "
+            f"(text: 7.1)  grad_norm:  4.2  memory: 70.00GiB(50.00%)  tps: {tps:,}  "
+            f"tflops: 200.00  mfu: 20.00%")
+
+
+# what dynamo prints under TORCH_LOGS=recompiles (torch 2.13), as torchrun's tee shows it
+RECOMPILE_LINES = [
+    "[rank0]:V1123 13:12:22.874000 25037 site-packages/torch/_dynamo/guards.py:5396] [0/1] "
+    "[__recompiles] Recompiling function forward in /repo/torchtitan_omni/omni_model.py:120",
+    "[rank0]:V1123 13:12:22.874000 25037 site-packages/torch/_dynamo/guards.py:5396] [0/1] "
+    "[__recompiles]     triggered by the following guard failure(s):",
+    "[rank0]:V1123 13:12:22.874000 25037 site-packages/torch/_dynamo/guards.py:5396] [0/1] "
+    "[__recompiles]     - 0/0: tensor 'tokens' size mismatch at index 1. expected 7776, "
+    "actual 7768",
+]
+
+
+def test_step_time_and_recompiles_of_a_compiled_point():
+    bench = _script("bench_scaling")
+    stamps = ["10:00:00,000", "10:00:30,000", "10:00:31,500", "10:00:32,700", "10:00:33,900",
+              "10:00:36,400"]
+    lines = [_omni_line(i + 1, t, 4000 + i) for i, t in enumerate(stamps)]
+    log = "\n".join(lines[:3] + RECOMPILE_LINES + lines[3:] + RECOMPILE_LINES[:1])
+    steps = bench.parse_steps(log)
+    # steps 3-6 took 1.5, 1.2, 1.2 and 2.5 s (step 2's 30 s of start-up is warm-up)
+    assert bench.step_time(steps, warmup=2) == pytest.approx(1.35)
+    assert bench.step_time(steps, warmup=6) is None
+    assert bench.count_recompiles(log) == 2
+    eager = bench.Point("p", "train_configs/llama_omni_8B.toml", 1, 8192, warmup=2)
+    row = bench.summarize(eager, steps[:2], 10.0, 0, log)
+    assert row["recompiles"] is None and "tps" not in row  # no step after warm-up
+    row = bench.summarize(bench.compiled(eager), [], 10.0, 0, log)
+    assert row["recompiles"] == 2 and row["compile"] and row["name"] == "p_compile"
+
+
+def _row(name, tps, ngpu=1, seq=8192, compile=False, stock=False, workload="realistic",
+         config="omni.toml"):
+    return {"name": name, "tps": tps, "ngpu": ngpu, "seq_len": seq, "compile": compile,
+            "stock": stock, "workload": "text" if stock else workload, "config": config,
+            "rc": 0, "command": "x", "mfu": 20.0, "mem_gib": 70.0, "step_s": 1.0,
+            "recompiles": 3 if compile else None}
+
+
+def test_ratios_pair_points_of_the_same_gpus_seq_model_and_compile_setting():
+    bench = _script("bench_scaling")
+    rows = [
+        _row("stock", 8000.0, stock=True, config="8B_16L"),
+        _row("text", 9000.0, workload="text"),
+        _row("realistic", 4000.0),
+        _row("moe", 3000.0, config="moe.toml"),  # another model: no text-only reference
+        _row("realistic_32k", 2000.0, seq=32768),  # no reference at 32K
+        _row("stock_compile", 10000.0, stock=True, compile=True, config="8B_16L"),
+        _row("realistic_compile", 5000.0, compile=True),  # no compiled text-only point
+        {"name": "skipped", "ngpu": 1, "seq_len": 8192, "command": "x",
+         "status": "not run (deadline)"},
+    ]
+    bench.add_ratios(rows)
+    by = {r["name"]: r for r in rows}
+    assert by["stock"]["vs_stock"] == 1.0 and by["text"]["vs_text"] == 1.0
+    assert by["realistic"]["vs_stock"] == 0.5 and by["realistic"]["vs_text"] == pytest.approx(4 / 9)
+    assert by["moe"]["vs_stock"] == 3000 / 8000 and "vs_text" not in by["moe"]
+    assert "vs_stock" not in by["realistic_32k"] and "vs_text" not in by["realistic_32k"]
+    assert by["realistic_compile"]["vs_stock"] == 0.5 and "vs_text" not in by["realistic_compile"]
+    by["realistic"]["media_share"] = 0.498
+    by["stock"]["media_share"] = 0.0
+    text = bench.table(rows, "test device")
+    line = next(x for x in text.splitlines() if x.startswith("| realistic |"))
+    assert ("| realistic (50%) | no | 4,000 | 0.50x | 0.44x | 20.0% | - | 1.00 | 70.0 | - "
+            "| ok |") in line
+    line = next(x for x in text.splitlines() if x.startswith("| realistic_compile |"))
+    assert "| yes | 5,000 | 0.50x | - |" in line and line.endswith("| 3 | ok |")
+    assert "| stock | 1 | 8K | text | no | 8,000 | 1.00x | - |" in text
+    assert "| skipped | 1 | 8K | - | no | - | - | - |" in text and "not run (deadline)" in text
+
+
+def test_plans_and_the_compile_filters():
+    bench = _script("bench_scaling")
+    plan = bench.build_plans(llm_layers=8)["omni_1gpu"]
+    assert {p.workload for p in plan} == {"text", "realistic", "toy"}
+    assert sum(p.stock for p in plan) == 2 and sum(p.compile for p in plan) == 4
+    for p in plan:
+        assert p.ngpu == 1 and p.seq_len == 8192
+        cmd = p.command()
+        if p.stock:
+            assert cmd[cmd.index("--model.flavor") + 1] == "8B_8L"
+            assert cmd[cmd.index("--experimental.custom_import") + 1] == bench.FLAVORS_MODULE
+        else:
+            assert cmd[cmd.index("--omni.llm_layers") + 1] == "8"
+        assert ("--compile.enable" in cmd) == p.compile
+        assert (p.environment().get("TORCH_LOGS") == "recompiles") == p.compile
+    realistic = next(p for p in plan if p.workload == "realistic")
+    assert "image,video,audio" in realistic.command()
+    assert realistic.dataset() == "data/realistic/llama_omni_8B_8k"
+    assert "--workload realistic" in " ".join(realistic.build_command())
+    assert [p.compile for p in bench.select(plan, "", True, False)] == [False] * 4
+    assert [p.compile for p in bench.select(plan, "", False, True)] == [True] * 4
+    assert [p.name for p in bench.select(plan, "omni_8B_8L_8k_toy", False, False)] == [
+        "omni_8B_8L_8k_toy"]
+    with pytest.raises(SystemExit, match="no point nope"):
+        bench.select(plan, "nope", False, False)
+    two = bench.PLANS["omni_2gpu"]
+    assert {(p.workload, p.seq_len, p.stock) for p in two if not p.compile} == {
+        ("text", 8192, True), ("text", 8192, False), ("realistic", 8192, False),
+        ("toy", 8192, False), ("realistic", 32768, False)}
+    sp2 = next(p for p in two if p.seq_len == 32768).command()
+    assert sp2[sp2.index("--parallelism.ulysses_degree") + 1] == "2"
+    assert "--parallelism.encoder_sequence_parallel" in sp2
+
+
+def test_cut_llama3_flavors_of_stock_torchtitan():
+    """scripts/titan_flavors.py, imported as stock runs import it (from the repository root):
+    Llama-3-8B with fewer layers, registered where TorchTitan's llama3 spec reads flavors."""
+    flavors = importlib.import_module("scripts.titan_flavors")
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    assert flavors.LAYER_CUTS == _script("bench_scaling").LAYER_CUTS
+    args = get_train_spec("llama3").model_args
+    for n in flavors.LAYER_CUTS:
+        cut = args[flavors.flavor_name(n)]
+        assert cut.n_layers == n and cut is not args["8B"]
+        assert {**vars(cut), "n_layers": 32} == vars(args["8B"])
+    assert args["8B"].n_layers == 32

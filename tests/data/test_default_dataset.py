@@ -136,12 +136,17 @@ def test_long_context_builder_fills_rows_that_fit(built, tmp_path):
     out = tmp_path / "long"
     manifest = builder.main([
         "--config", str(REPO / "train_configs" / "llama_omni_debug.toml"), "--seq-len", "2048",
-        "--out", str(out), "--rows", "3", "--image-every", "256", "--video-every", "512",
+        "--out", str(out), "--rows", "3", "--workload", "toy", "--image-every", "256",
+        "--video-every", "512",
         "--training.dataset_path", str(path), "--model.hf_assets_path", str(tok_dir),
     ])
     assert manifest["rows"] == 3
     assert 0.85 * 2048 < manifest["tokens_per_row"]["min"] <= manifest["tokens_per_row"]["max"] <= 2048
     assert manifest["images_per_row"] >= 3 and manifest["videos_per_row"] >= 1
+    # the toy workload's summary: thumbnails, a small share of the tokens
+    assert manifest["workload"] == "toy" and set(manifest["modalities"]) == {"image", "video"}
+    assert 0 < manifest["media_share"] < 0.1
+    assert manifest["modalities"]["image"]["items"] == round(3 * manifest["images_per_row"])
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     for row in rows:
