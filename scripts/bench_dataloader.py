@@ -3,6 +3,9 @@
 
     python scripts/bench_dataloader.py --gpu-step-ms 350 [--batches 50] [--workers 2]
         [--seq-len 2048] [--batch-size 4] [--model llama_omni --flavor debugmodel]
+    # the realistic workload (scripts/build_long_context_dataset.py) with the 8B processing
+    python scripts/bench_dataloader.py --data data/realistic/llama_omni_8B_8k --seq-len 8192 \
+        --batch-size 1 --model llama_omni --flavor 8B --workers 2 --gpu-step-ms 960
 
 Prints samples/s and tokens/s (real, non-padding tokens) of the loader and whether it keeps up
 with one training step per ``--gpu-step-ms`` per data-parallel rank (each rank has its own
@@ -56,6 +59,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--dataset-path", default="./data/omni_default")
+    parser.add_argument("--data", default=None,
+                        help="another dataset folder (e.g. a realistic workload) instead of the "
+                             "bundled one")
     parser.add_argument("--tokenizer-dir", default="./assets/tokenizer")
     parser.add_argument("--model", default=None)
     parser.add_argument("--flavor", default="debugmodel")
@@ -72,9 +78,11 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     ensure_default_dataset(args.dataset_path, args.tokenizer_dir)
+    dataset = (["--training.dataset", "custom", "--training.dataset_path", args.data,
+                "--data.buffer_docs", "4"] if args.data else
+               ["--training.dataset", "omni_default", "--training.dataset_path", args.dataset_path])
     cfg = ConfigManager().parse_args([
-        "--job.custom_config_module", "torchtitan_omni.config.job_config",
-        "--training.dataset", "omni_default", "--training.dataset_path", args.dataset_path,
+        "--job.custom_config_module", "torchtitan_omni.config.job_config", *dataset,
         "--model.hf_assets_path", args.tokenizer_dir, "--training.seq_len", str(args.seq_len),
         "--training.local_batch_size", str(args.batch_size),
         "--training.dataloader.num_workers", str(args.workers),
@@ -94,7 +102,8 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - start
     ms_per_batch = 1000 * elapsed / args.batches
     print(f"loader: {args.batches} batches of {args.batch_size} x {args.seq_len} in {elapsed:.2f} s "
-          f"(workers={args.workers}, preset/model={args.model or args.preset})")
+          f"(workers={args.workers}, preset/model={args.model or args.preset}, "
+          f"data={args.data or args.dataset_path})")
     print(f"  {samples / elapsed:,.0f} samples/s  {tokens / elapsed:,.0f} tokens/s  "
           f"{ms_per_batch:.1f} ms/batch  skipped: {sum(loader.stats().values())}")
     if args.gpu_step_ms:

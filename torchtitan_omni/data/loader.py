@@ -45,6 +45,8 @@ class OmniDataLoader(ParallelAwareDataloader):
             for batch, labels, info in super().__iter__():
                 self._skipped[int(info["shard"])] = dict(info["skipped"])
                 yield batch, labels
+        except GeneratorExit:
+            raise  # closed (also at interpreter exit, when module globals are gone)
         except OmniInputError as e:
             raise one_line(e) from None
 
