@@ -22,6 +22,24 @@ def normalize(frames: np.ndarray, mean, std) -> torch.Tensor:
     return (x - m) / s
 
 
+def normalized_patches(frames: np.ndarray, cfg: ImageProcessing) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 frames ``[T, H, W, 3]`` (T a multiple of the temporal patch) -> standardized
+    patches and grid, as ``patchify(normalize(frames))`` gives them.
+
+    The patch layout is made on the uint8 pixels (a quarter of the bytes to move) and the
+    standardization runs once, in place, on the float patches: the loader's largest cost on
+    realistic media (32 frames of 448 px are 19 M values per clip).
+    """
+    x = torch.from_numpy(np.ascontiguousarray(frames)).movedim(-1, -3)
+    patches, grid = patchify(x, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+    # each patch's features are (channel, time, y, x): standardize per channel block
+    view = patches.view(patches.shape[0], 3, -1)
+    m = torch.tensor(cfg.mean, dtype=torch.float32).view(1, 3, 1)
+    s = torch.tensor(cfg.std, dtype=torch.float32).view(1, 3, 1)
+    out = view.float().div_(255.0).sub_(m).div_(s)
+    return out.view(patches.shape), grid
+
+
 def patchify(pixels: torch.Tensor, patch: int, merge: int, temporal: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, C, H, W]`` -> patches ``[t*h*w, C*temporal*patch*patch]`` and grid ``[3]``.
 
@@ -63,11 +81,10 @@ class ImageProcessor(Processor):
         cfg = self.config
         h, w = cfg.resized_hw(image.height, image.width)
         arr = np.array(resize(image, h, w))
-        pixels = normalize(arr, cfg.mean, cfg.std)
         if cfg.mode == "fixed":
-            return Item({"pixels": pixels}, cfg.num_tokens(h, w))
-        frames = pixels.unsqueeze(0).expand(cfg.temporal_patch_size, -1, -1, -1)
-        patches, grid = patchify(frames, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+            return Item({"pixels": normalize(arr, cfg.mean, cfg.std)}, cfg.num_tokens(h, w))
+        frames = np.broadcast_to(arr, (cfg.temporal_patch_size, *arr.shape))
+        patches, grid = normalized_patches(frames, cfg)
         return Item({"patches": patches, "grid_thw": grid}, cfg.num_tokens(h, w))
 
     def __call__(self, ref: Any, root: str, source: Source | None = None) -> list[Item]:

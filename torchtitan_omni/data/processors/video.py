@@ -11,7 +11,7 @@ from PIL import Image
 from torchtitan_omni.data.bad_samples import Source
 from torchtitan_omni.data.media import load_video
 from torchtitan_omni.data.processors.base import Item, Processor
-from torchtitan_omni.data.processors.image import normalize, patchify, resize
+from torchtitan_omni.data.processors.image import normalized_patches, resize
 from torchtitan_omni.protocols.processing import VideoProcessing
 
 
@@ -29,8 +29,7 @@ class VideoProcessor(Processor):
             frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
         h, w = cfg.resized_hw(frames.shape[1], frames.shape[2])
         resized = np.stack([np.array(resize(Image.fromarray(f), h, w)) for f in frames])
-        pixels = normalize(resized, cfg.mean, cfg.std)
-        patches, grid = patchify(pixels, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+        patches, grid = normalized_patches(resized, cfg)
         return Item({"patches": patches, "grid_thw": grid}, cfg.num_tokens(h, w, frames.shape[0]))
 
     def __call__(self, ref: Any, root: str, source: Source | None = None) -> list[Item]:
