@@ -33,6 +33,7 @@ def test_each_document_gets_its_own_mix():
 
 def test_batch_without_media_is_text_only_and_bad_bounds_are_refused():
     batch = {B.CU_SEQLENS: torch.tensor([0, 4], dtype=torch.int32)}
-    assert document_mix(batch, torch.zeros(1, 4, dtype=torch.long), MODALITIES).tolist() == [[0] * 4]
+    mix = document_mix(batch, torch.zeros(1, 4, dtype=torch.long), MODALITIES)
+    assert mix.tolist() == [[0] * 4]
     with pytest.raises(ValueError, match="cu_seqlens cover 4 positions"):
         document_mix(batch, torch.zeros(1, 6, dtype=torch.long), MODALITIES)

@@ -214,7 +214,8 @@ class OmniValidator(BaseValidator):
         g_aux = total_vec[len(loss_names) + n_mix:-1]
         g_batches = float(total_vec[-1])
 
-        losses = {n: float(g_sums[i] / counts[i]) for i, n in enumerate(loss_names) if counts[i] > 0}
+        losses = {n: float(g_sums[i] / counts[i])
+                  for i, n in enumerate(loss_names) if counts[i] > 0}
         if g_batches > 0:
             # auxiliary losses are per-rank means: average them over (rank, batch)
             losses.update({n: float(g_aux[i]) / g_batches for i, n in enumerate(aux_names)})
