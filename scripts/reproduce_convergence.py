@@ -52,7 +52,8 @@ def train(model: str, size: str, out: str, ngpu: int, extra: list[str]) -> tuple
     args = ["bash", os.path.join(REPO, "run_train.sh"), "--job.dump_folder", out,
             "--metrics.enable_tensorboard", *extra]
     env = {**os.environ, "NGPU": str(ngpu), "CONFIG_FILE": config}
-    command = f"NGPU={ngpu} CONFIG_FILE={os.path.relpath(config, REPO)} " + shlex.join(args[1:])
+    command = (f"NGPU={ngpu} CONFIG_FILE={os.path.relpath(config, REPO)} "
+               + shlex.join(["./run_train.sh", *args[2:]]))
     print(f"reproduce_convergence: {command}", flush=True)
     return subprocess.run(args, cwd=REPO, env=env).returncode, command
 

@@ -5,7 +5,8 @@ the training loader and, through ``[validation]``, by the validator's loader:
   ``val/`` folders of symlinks to the chosen shards;
 - ShareGPT4V-style conversations: one JSON array file (``id``, ``image`` relative to the
   dataset root, ``conversations`` with ``from``/``value``; some rows without an image), the
-  images in sub-folders, with a held-out JSON file for validation.
+  images in sub-folders, with a held-out JSON file for validation; or ``train.json`` and
+  ``val.json`` in that folder.
 """
 
 from __future__ import annotations
@@ -102,6 +103,18 @@ def test_sharegpt4v_json_array_with_image_folders(tmp_path):
     assert validation_problem(cfg) is None
     val = _batches(validation_job_config(cfg), cfg.validation.split, 100, processing)
     assert sum(int(b["image_grid_thw"].shape[0]) for b, _ in val if "image_grid_thw" in b) == 3
+    # or as a folder of split files next to the image folders
+    os.rename(train_file, root / "train.json")
+    os.rename(root / "held_out.json", root / "val.json")
+    folder = job_config("--training.dataset", "sharegpt4v", "--training.dataset_path", str(root),
+                        "--model.hf_assets_path", cfg.model.hf_assets_path,
+                        "--training.seq_len", "128", "--validation.enable",
+                        "--validation.seq_len", "128", "--data.bad_sample_policy", "error")
+    for split, images in (("train", 6), ("val", 3)):
+        got = _batches(validation_job_config(folder) if split == "val" else folder, split, 100,
+                       processing)
+        assert sum(int(b["image_grid_thw"].shape[0]) for b, _ in got
+                   if "image_grid_thw" in b) == images
 
 
 def test_missing_validation_path_is_one_line(tmp_path):

@@ -1,6 +1,6 @@
 """Validation through ``run_train.sh``: llama_omni debug on 2 CPU processes with Ulysses SP2,
-4 steps, ``validation.freq = 2``, ``validation.steps = 2``, TensorBoard on, checkpoints at
-steps 2 and 4.
+4 steps, ``validation.freq = 2``, ``validation.steps = 2``, TensorBoard on (the slow tests add
+checkpoints at steps 2 and 4).
 
 - validation runs at steps 2 and 4 only and logs the total, every named loss and every
   document mix, on the console and in TensorBoard;
@@ -27,13 +27,13 @@ from torchtitan_omni.eval.curves import read_scalars
 CONFIG = "train_configs/llama_omni_debug.toml"
 COMMON = ("--training.steps", "4", "--parallelism.ulysses_degree", "2",
           "--debug.deterministic", "--debug.seed", "42", "--metrics.enable_tensorboard",
-          "--lr_scheduler.warmup_steps", "2",
-          # 4 rows: every modality occurs before the step-2 checkpoint (a part without any
-          # gradient yet has no optimizer state to save, and resuming would refuse that)
-          "--training.local_batch_size", "4")
+          "--lr_scheduler.warmup_steps", "2")
 VALIDATION = ("--validation.enable", "--validation.freq", "2", "--validation.steps", "2",
               "--validation.seq_len", "256", "--validation.local_batch_size", "2")
-CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2")
+# 4 rows: every modality occurs before the step-2 checkpoint (a part without any gradient yet
+# has no optimizer state to save, and resuming would refuse that)
+CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2",
+              "--training.local_batch_size", "4")
 
 
 def _run(folder, *extra):
@@ -43,14 +43,23 @@ def _run(folder, *extra):
 
 
 @pytest.fixture(scope="module")
+def light(tmp_path_factory):
+    """Validation on, no checkpoint (two rows per step)."""
+    folder = tmp_path_factory.mktemp("validation_light")
+    run = _run(folder, *VALIDATION)
+    return folder, run, read_scalars(str(folder))
+
+
+@pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
+    """Validation on, checkpoints at steps 2 and 4."""
     folder = tmp_path_factory.mktemp("validation_a")
     run = _run(folder, *VALIDATION, *CHECKPOINT)
     return folder, run, read_scalars(str(folder))
 
 
-def test_validation_at_freq_with_every_loss(run_a):
-    _, run, scalars = run_a
+def test_validation_at_freq_with_every_loss(light):
+    _, run, scalars = light
     lines = [line for line in run.output.splitlines() if "validate step:" in line]
     assert [line.split("validate step:")[1].split()[0] for line in lines] == ["2", "4"]
     assert all("text:" in line and "gen_image:" in line and "by mix:" in line for line in lines)
@@ -81,8 +90,8 @@ def test_resume_validates_as_the_uninterrupted_run(run_a, tmp_path):
 
 
 @pytest.mark.slow
-def test_validation_does_not_change_training(run_a, tmp_path):
-    _, _, scalars_a = run_a
+def test_validation_does_not_change_training(light, tmp_path):
+    _, _, scalars_a = light
     _run(tmp_path)
     scalars_c = read_scalars(str(tmp_path))
     assert not any(t.startswith("validation/") for t in scalars_c)

@@ -6,7 +6,8 @@ come from separate forwards whose labels keep only that mix's documents (another
 the validator's per-group head calls). Layouts: FSDP2 with data ranks holding different
 modalities and different numbers of batches (``steps = -1``: the rank that is through the
 split forwards padding while the other goes on), and Ulysses SP2 with ``steps = 2`` out of 3
-batches (the documents and media cross the slice boundary).
+batches (the documents and media cross the slice boundary), and expert parallel 2 with
+uneven ranks (a MoE foundation: its auxiliary loss is logged too).
 """
 
 from __future__ import annotations
@@ -122,6 +123,10 @@ def _two_ranks(rank, world):
     three = [C.make_batch(110 + i) for i in range(3)]
     _checked(results, "sp2", lambda: _layout(
         world, dict(dp_shard=1, sp=2), 2, lambda r: three, dict(n_kv_heads=1)))
+    # Expert parallel 2 over FSDP 2 (MoE foundation): uneven ranks again, the padding forward
+    # takes part in the experts' all-to-alls.
+    _checked(results, "ep2_uneven", lambda: _layout(
+        world, dict(dp_shard=2, ep=2), -1, uneven.get, dict(moe=True)))
     return results
 
 
@@ -155,6 +160,12 @@ def test_fsdp2_uneven_ranks_whole_split(two_rank):
 def test_sp2_steps_and_slices(two_rank):
     out = _check(two_rank, "sp2")
     assert out["first"]["validation/batches"] == 2
+
+
+def test_ep2_uneven_ranks(two_rank):
+    out = _check(two_rank, "ep2_uneven")
+    assert out["first"]["validation/batches"] == 3
+    assert any(k.startswith("validation/loss/") and "aux" in k for k in out["first"]), out["first"]
 
 
 def test_logging_and_freq(two_rank):
