@@ -122,6 +122,7 @@ def test_missing_validation_path_is_one_line(tmp_path):
     problem = validation_problem(cfg)
     assert problem.startswith("validation.dataset_path") and "nope" in problem
     assert "\n" not in problem
+    assert validation_problem(cfg, check_data=False) is None  # a spec with its own loader
     cfg = job_config("--validation.enable", "--validation.freq", "0")
     assert validation_problem(cfg) == "validation.freq must be >= 1, got 0"
     cfg = job_config("--validation.enable", "--validation.seq_len", "30")

@@ -60,9 +60,11 @@ def validation_dataset(job_config) -> tuple[str, str | None]:
     return name, v.dataset_path
 
 
-def validation_problem(job_config, ulysses_degree: int = 1) -> str | None:
+def validation_problem(job_config, ulysses_degree: int = 1, check_data: bool = True
+                       ) -> str | None:
     """The first impossible ``[validation]`` value as one line, or None (also fit for the
-    start-up config check)."""
+    start-up config check). ``check_data``: also that the validation dataset exists (for
+    specs that read data through the omni loader)."""
     from torchtitan_omni.data.default_dataset import DEFAULT_NAME
 
     v = job_config.validation
@@ -78,7 +80,7 @@ def validation_problem(job_config, ulysses_degree: int = 1) -> str | None:
         return (f"validation.seq_len ({v.seq_len}) must be >= 8 and a multiple of "
                 f"parallelism.ulysses_degree ({ulysses_degree})")
     dataset, path = validation_dataset(job_config)
-    if dataset != DEFAULT_NAME and not os.path.exists(path or dataset):
+    if check_data and dataset != DEFAULT_NAME and not os.path.exists(path or dataset):
         return (f"validation.dataset_path {path!r} does not exist (validation.dataset="
                 f"{v.dataset!r}, training.dataset={job_config.training.dataset!r})")
     return None
@@ -269,11 +271,11 @@ def build_omni_validator(
     if metrics_processor is None:
         raise ValueError("the omni validator needs the trainer's metrics processor")
     sp = parallel_dims.sp if parallel_dims.sp_enabled else 1
-    problem = validation_problem(job_config, sp)
+    build = build_dataloader_fn or build_omni_dataloader
+    problem = validation_problem(job_config, sp, check_data=build is build_omni_dataloader)
     if problem:
         raise ConfigError(problem)
     v = job_config.validation
-    build = build_dataloader_fn or build_omni_dataloader
     loader = build(
         dp_world_size, dp_rank, tokenizer, validation_job_config(job_config), split=v.split,
         infinite=v.steps != -1, seq_len=v.seq_len, local_batch_size=v.local_batch_size,
