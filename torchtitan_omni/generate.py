@@ -113,7 +113,12 @@ class Generator:
         for modality, path in zip(wanted, media):
             refs.setdefault(modality, []).append(os.path.abspath(path))
         sample = Sample(Source("<prompt>", 0), turns=[Turn("user", prompt)], media=refs)
-        encoder = DocumentEncoder(self.tok, self.processors, seq_len=1 << 30, root=os.getcwd())
+        return self.sample_batch(sample, os.getcwd())
+
+    def sample_batch(self, sample: Sample, root: str) -> dict[str, torch.Tensor]:
+        """A parsed sample whose turns end with a user turn (media relative to ``root``) as a
+        one-row batch that opens the assistant turn, laid out as in training."""
+        encoder = DocumentEncoder(self.tok, self.processors, seq_len=1 << 30, root=root)
         doc = encoder.encode(sample, random.Random(0))[0]
         # Drop the sample's closing eos and open the assistant turn instead.
         tokens = np.concatenate([doc.tokens[:-1], [self.tok.special.role("assistant")]])
@@ -125,7 +130,15 @@ class Generator:
     def text(self, prompt: str, media: list[str] = (), max_new_tokens: int = 64,
              temperature: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None) -> list[int]:
         """Token ids of the answer to ``prompt`` (stops at end-of-turn or end-of-text)."""
-        batch = self.prompt_batch(prompt, list(media))
+        return self.answer(self.prompt_batch(prompt, list(media)), max_new_tokens, temperature,
+                           top_k, generator)
+
+    @torch.no_grad()
+    def answer(self, batch: dict[str, torch.Tensor], max_new_tokens: int = 64,
+               temperature: float = 1.0, top_k: int = 0,
+               generator: torch.Generator | None = None) -> list[int]:
+        """Token ids that continue a prompt batch (:meth:`prompt_batch`, :meth:`sample_batch`)
+        until end-of-turn or end-of-text."""
         h, _ = self.model.embed(batch[B.INPUT], batch)
         cache = KVCache()
         hidden = self._forward(h, cache)

@@ -13,7 +13,7 @@ encoder still gets correct (zero) gradient contributions from the rank without m
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,8 @@ class OmniOutput:
 
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: summed text loss per label group, when ``forward`` was given ``label_groups``
+    text_by_group: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _local_media(batch: dict[str, torch.Tensor], modality: str
@@ -173,6 +175,8 @@ class OmniModel(ModelProtocol):
         meta: AttentionMeta,
         labels: torch.Tensor,
         absent: Collection[str] = (),
+        label_groups: torch.Tensor | None = None,
+        groups: Sequence[int] = (),
         **batch: torch.Tensor,
     ) -> OmniOutput:
         """Summed losses of every head for one micro-batch (see module docstring).
@@ -187,7 +191,13 @@ class OmniModel(ModelProtocol):
         out = OmniOutput()
         text_mask = labels != B.IGNORE_INDEX
         # labelled positions only, and no full-vocabulary logits kept (LinearHead)
-        out.losses[TEXT_LOSS] = self.llm.output(hidden[text_mask], labels[text_mask])
+        if label_groups is None or not groups:
+            out.losses[TEXT_LOSS] = self.llm.output(hidden[text_mask], labels[text_mask])
+        else:
+            for g in groups:
+                mask = text_mask & (label_groups == g)
+                out.text_by_group[g] = self.llm.output(hidden[mask], labels[mask])
+            out.losses[TEXT_LOSS] = torch.stack(list(out.text_by_group.values())).sum()
         for name, decoder in self.decoders.items():
             index = batch.get(B.target_index_key(name))
             if name in absent:

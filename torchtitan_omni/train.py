@@ -8,7 +8,9 @@ Run as ``python -m torchtitan_omni.train --job.config_file CONFIG [--section.key
   slice of the batch;
 - the model returns one summed loss per head (text, image generation, ...) plus auxiliary
   losses; each is normalized by its global target count and logged on its own;
-- throughput counts real (non-padding) tokens, and MFU uses the FLOPs of the actual batches.
+- throughput counts real (non-padding) tokens, and MFU uses the FLOPs of the actual batches;
+- ``[validation]`` runs ``torchtitan_omni.eval.validator.OmniValidator`` (held-out loss per
+  named loss and per document modality mix).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torchtitan.train import Trainer
 
 from torchtitan_omni.checkpoint import setup_checkpointing
 from torchtitan_omni.config.manager import parse_job_config_or_exit
+from torchtitan_omni.components.inputs import model_inputs
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS
 from torchtitan_omni.components.quantization import add_omni_float8_filters
 from torchtitan_omni.distributed.compile import compiled_graphs
@@ -43,7 +46,6 @@ from torchtitan_omni.errors import OmniInputError
 from torchtitan_omni.flops import FlopCounter
 from torchtitan_omni.platform import is_cpu
 from torchtitan_omni.protocols import batch as B
-from torchtitan_omni.protocols.modules import AttentionMeta
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -61,6 +63,8 @@ class OmniTrainer(Trainer):
         if is_cpu():
             # TorchTitan autocasts to bf16 when FSDP is off; CPU runs stay in float32.
             self.maybe_enable_amp = contextlib.nullcontext()
+            if job_config.validation.enable:
+                self.validator.maybe_enable_amp = self.maybe_enable_amp
         dims: OmniParallelDims = self.parallel_dims
         self.sp_rank = dims.get_mesh("sp").get_local_rank() if dims.sp_enabled else 0
         self.flop_counter = FlopCounter(self.model_parts[0])
@@ -93,20 +97,6 @@ class OmniTrainer(Trainer):
             yield batch, labels
 
     # ----------------------------------------------------------------- one step
-    def _to_device(self, batch: dict[str, torch.Tensor], labels: torch.Tensor):
-        cu = batch[B.CU_SEQLENS]
-        max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-        whole_rows = B.whole_rows(cu, labels.shape[0], batch.get(B.REAL_TOKENS))
-        moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()
-                 if isinstance(v, torch.Tensor)}
-        meta = AttentionMeta(
-            cu_seqlens=moved.pop(B.CU_SEQLENS), max_seqlen=max_seqlen,
-            position_ids=moved.pop(B.POSITION_IDS), whole_rows=whole_rows,
-        )
-        moved.pop(B.REAL_TOKENS, None)
-        tokens = moved.pop(B.INPUT)
-        return tokens, meta, labels.to(self.device), moved
-
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor,
         global_counts: dict[str, torch.Tensor], aux_contributions: int,
@@ -115,7 +105,7 @@ class OmniTrainer(Trainer):
         """Forward and backward of one micro-batch; returns each loss part (detached).
         ``absent``: modalities no rank has in this micro-batch (their parts are skipped)."""
         model = self.model_parts[0]
-        tokens, meta, labels, media = self._to_device(input_dict, labels)
+        tokens, meta, labels, media = model_inputs(input_dict, labels, self.device)
         with self.train_context(), self.maybe_enable_amp:
             out = model(tokens, meta, labels, absent=absent, **media)
             loss, parts = self.loss_fn(out.losses, global_counts, out.aux_losses, aux_contributions)

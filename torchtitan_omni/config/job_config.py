@@ -204,6 +204,18 @@ class Generate:
 
 
 @dataclass
+class Validation:
+    """TorchTitan's ``[validation]`` with the held-out split to read (``docs/convergence.md``).
+
+    ``dataset`` left at TorchTitan's default ("c4_validation") or equal to
+    ``training.dataset`` means the training dataset (``validation.dataset_path``, if set,
+    replaces its path); "omni_default" is the bundled dataset; a single file is read whole."""
+
+    split: str = "val"
+    """Split of the validation dataset folder (its files are found as for ``data.split``)."""
+
+
+@dataclass
 class JobConfig:
     """The sections torchtitan-omni adds or extends."""
 
@@ -213,3 +225,4 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     weights: Weights = field(default_factory=Weights)
     generate: Generate = field(default_factory=Generate)
+    validation: Validation = field(default_factory=Validation)

@@ -84,9 +84,14 @@ class OmniModelArgs(BaseModelArgs):
         return expert_problem(num_experts or 0, expert_parallel_degree, "each MoE layer of the LLM")
 
     def update_from_config(self, job_config: JobConfig, **kwargs) -> None:
-        """Fit the sequence length and (debug flavors) the vocabulary to the job."""
+        """Fit the sequence length (training and validation) and (debug flavors) the
+        vocabulary to the job."""
         llm = self.llm_args
         llm.max_seq_len = max(llm.max_seq_len, job_config.training.seq_len)
+        validation = getattr(job_config, "validation", None)
+        if validation is not None and validation.enable:
+            # held-out documents may be as long as validation.seq_len: RoPE must cover them
+            llm.max_seq_len = max(llm.max_seq_len, validation.seq_len)
         problem = apply_llm_layers(llm, getattr(getattr(job_config, "omni", None), "llm_layers", 0))
         if problem:
             raise ValueError(problem)
