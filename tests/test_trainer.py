@@ -56,8 +56,7 @@ def _train_entry(args):
 
 
 @pytest.mark.parametrize("args, reason", [
-    (["--validation.enable"], "validation.enable = true is not supported by torchtitan-omni: "
-                              "in-training validation is not implemented yet (issue 14)"),
+    (["--validation.enable", "--validation.freq", "0"], "validation.freq must be >= 1, got 0"),
     (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
      'parallelism.pipeline_parallel_schedule = "Interleaved1F1B" is not supported'),
 ])

@@ -135,9 +135,13 @@ def test_bundled_configs_pass_the_table():
         U.check_values(cfg, V.Context(8, resolved_degrees(cfg, 8)))
 
 
-def test_validation_is_refused_with_the_issue():
-    line = _refused_line("--validation.enable")
-    assert line.startswith("validation.enable = true is not supported") and "issue 14" in line
+def test_validation_values_are_checked_when_enabled():
+    _parse("--validation.enable")  # the bundled val split
+    line = _refused_line("--validation.enable", "--validation.freq", "0")
+    assert "validation.enable" in line and "validation.freq must be >= 1, got 0" in line
+    _parse("--validation.freq", "0")  # read only with validation on
+    line = _refused_line("--validation.enable", "--validation.dataset_path", "/no/such/val")
+    assert "/no/such/val" in line
 
 
 def test_existing_degree_checks_come_from_the_table():

@@ -184,6 +184,9 @@ class OmniConfigManager(ConfigManager):
             if not e.code:
                 raise  # --help: tyro printed it to standard output
             raise ConfigError(_first_message(captured.getvalue())) from None
+        except AssertionError as e:
+            # TorchTitan's own dataclasses assert some values when built (e.g. validation.steps)
+            raise ConfigError(str(e) or "a value failed TorchTitan's own check") from None
 
     @staticmethod
     def _check_cli_keys(cls: type, args: list[str]) -> None:

@@ -79,8 +79,8 @@ _BUDGET = "only read by activation_checkpoint.mode 'memory_budget', which is not
 _FLOAT8 = "TorchTitan's float8 converter; only together with model.converters = ['float8']"
 _MX = "MX formats are not supported; model.converters takes only 'float8'"
 _FT = "TorchFT fault tolerance is not integrated; resume from checkpoints (checkpoint.enable)"
-_VALIDATION = ("in-training validation is not implemented yet (issue 14); train without it and "
-               "evaluate saved checkpoints separately")
+_VALIDATION = ("read by the omni validator (torchtitan_omni.eval.validator) when validation.enable; "
+               "values checked with validation.enable")
 _ESTIMATION = ("memory estimation is not run by the omni trainer; "
                "a short run logs the peak memory per step")
 
@@ -290,17 +290,19 @@ KEYS: dict[str, Rule] = {
         "deprecated by TorchTitan and not read by torchtitan-omni's parser; name the module "
         "in job.custom_config_module"),
     # ------------------------------------------------------------ [validation]
-    "validation.enable": refused(_VALIDATION),
-    "validation.dataset": refused(_VALIDATION),
-    "validation.dataset_path": refused(_VALIDATION),
-    "validation.local_batch_size": refused(_VALIDATION),
-    "validation.seq_len": refused(_VALIDATION),
-    "validation.freq": refused(_VALIDATION),
-    "validation.steps": refused(_VALIDATION),
-    "validation.dataloader.num_workers": refused(_VALIDATION),
-    "validation.dataloader.persistent_workers": refused(_VALIDATION),
-    "validation.dataloader.pin_memory": refused(_VALIDATION),
-    "validation.dataloader.prefetch_factor": refused(_VALIDATION),
+    "validation.enable": checked(
+        "held-out losses every validation.freq steps (torchtitan_omni.eval.validator)",
+        V.validation),
+    "validation.dataset": honoured(_VALIDATION),
+    "validation.dataset_path": honoured(_VALIDATION),
+    "validation.local_batch_size": honoured(_VALIDATION),
+    "validation.seq_len": honoured(_VALIDATION),
+    "validation.freq": honoured(_VALIDATION),
+    "validation.steps": honoured(_VALIDATION),
+    "validation.dataloader.num_workers": honoured(_VALIDATION),
+    "validation.dataloader.persistent_workers": honoured(_VALIDATION),
+    "validation.dataloader.pin_memory": honoured(_VALIDATION),
+    "validation.dataloader.prefetch_factor": honoured(_VALIDATION),
     # ------------------------------------------------------------ [debug]
     "debug.seed": honoured(_DETERMINISM),
     "debug.deterministic": honoured(_DETERMINISM),

@@ -169,6 +169,17 @@ def cpu_offload(value, cfg, ctx) -> str | None:
     return None
 
 
+def validation(value, cfg, ctx) -> str | None:
+    """The [validation] values and the held-out data, when validation is on."""
+    if not value:
+        return None
+    from torchtitan_omni.eval.validator import validation_problem
+
+    problem = validation_problem(cfg, ctx.degrees["ulysses_degree"])
+    # the validator's message names its own key: drop the leading "validation.enable" context
+    return f"is on, but {problem}" if problem else None
+
+
 def cuda_capability() -> tuple[int, int]:
     """Lowest compute capability of the visible GPUs (every local rank takes one of them)."""
     return min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
