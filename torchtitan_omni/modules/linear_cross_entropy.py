@@ -91,9 +91,8 @@ def linear_cross_entropy(
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"linear_cross_entropy wants hidden [N, D] and targets [N], got "
                          f"{tuple(hidden.shape)} and {tuple(targets.shape)}")
-    if hidden.shape[0] == 0:
-        # keeps the graph connected (zero gradients) so every rank runs the same backward
-        return (hidden.sum() * 0.0 + weight.sum() * 0.0).float()
+    # no rows still goes through the one autograd node (zero gradients): every rank's backward
+    # then has the same structure, so FSDP reduces the head's gradient in the same order
     rows = rows or chunk_rows(weight.shape[0])
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, rows, kernel)
 
