@@ -3,7 +3,8 @@
 choose one expert, a rank that sends nothing to half the experts and a rank without tokens.
 Outputs and input, router and expert gradients within 1e-5; routed and dropped copies exactly
 equal to the single-process layer applying the same rule to each rank's tokens; and the
-capacity-padded EP4 layer compiled as one graph (fullgraph=True) against eager."""
+capacity-padded EP4 layer compiled as one graph (fullgraph=True) against eager. And the
+trainer's reduction of the routing counts (loads over the EP group, drops over all ranks)."""
 
 from __future__ import annotations
 
@@ -110,8 +111,20 @@ CASES = {
 }
 
 
+def _counts_case(rank: int, world: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_omni.distributed.utils import reduce_moe_counts
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    counts = torch.arange(2 * 3 * 4).view(2, 3, 4) * (rank + 1)
+    loads, totals = reduce_moe_counts(counts, mesh["ep"], mesh)
+    return {"loads": loads.tolist(), "totals": totals.tolist()}
+
+
 def _all_cases(rank, world):
-    results = {}
+    results = {"counts": _counts_case(rank, world)}
     for name, (ep, factor, compiled) in CASES.items():
         try:
             results[name] = _case(rank, world, ep, factor, compiled)
@@ -146,3 +159,12 @@ def test_dispatch_matches_one_process(results, name):
     else:
         assert dropped == [0, 0, 0, 0]
 
+
+def test_routing_counts_reduction(results):
+    import torch
+
+    base = torch.arange(2 * 3 * 4).view(2, 3, 4)
+    for rank, res in enumerate(results):
+        group = (1 + 2) if rank < 2 else (3 + 4)  # sum of (rank + 1) over the EP group
+        assert res["counts"]["loads"] == (base[0] * group).tolist()
+        assert res["counts"]["totals"] == (base.sum(-1) * (1 + 2 + 3 + 4)).tolist()
