@@ -12,7 +12,11 @@ heads x head_dim x seq_len`` per token, what stock runs print) and the peak rese
 Results go to a markdown table (with the exact command of each point) and a JSON file.
 
     python3 scripts/bench_scaling.py --plan llama_4gpu --out bench_llama.md
+    python3 scripts/bench_scaling.py --plan moe_dispatch_4gpu --out bench_moe_dispatch.md
     python3 scripts/bench_scaling.py --plan smoke_cpu --out /tmp/smoke.md   # CPU, tiny models
+
+MoE points also report the trainer's expert-load line: the worst layer's max/mean tokens per
+expert and the share of (token, expert) copies dropped over capacity (medians).
 
 ``--deadline`` (seconds) skips the points that would not finish in time, by their estimates.
 """
@@ -91,6 +95,16 @@ SEL = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.sel
 FULL = ("--activation_checkpoint.mode", "full")
 LLAMA_DATA = ("--data.modalities", "image,video")
 MOE_12L = ("--omni.llm_layers", "12", "--data.modalities", "image,video")
+COMPILE = ("--compile.enable", "--compile.components", "model,loss")
+
+
+def _moe_layers(n: int) -> tuple[str, ...]:
+    return ("--omni.llm_layers", str(n), "--data.modalities", "image,video")
+
+
+def _cap(factor: float) -> tuple[str, ...]:
+    # capacity-padded expert dispatch (0: exact uneven all-to-all)
+    return ("--parallelism.expert_capacity_factor", str(factor))
 
 
 def _sp(n: int) -> tuple[str, ...]:
@@ -127,6 +141,30 @@ PLANS: dict[str, list[Point]] = {
         Point("moe_30B-A3B_12L_64k_ep2_sp2", MOE, 4, 65536, MOE_12L + FULL + _ep(2) + _sp(2),
               steps=5, warmup=2, estimate_s=100),
     ],
+    # MoE dispatch (issue 12): exact uneven all-to-all (host sync per layer) vs capacity-padded
+    # (static splits), eager vs compiled blocks, at the 30B-A3B layer shape. 1 GPU (2 layers,
+    # no EP: local dispatch), 2 GPUs (4 layers, EP2) and the 4-GPU anchor (12 layers, EP4).
+    "moe_dispatch_1gpu": [
+        Point(f"moe_2L_8k_1gpu_{tag}", MOE, 1, 8192, _moe_layers(2) + FULL + extra, steps=10,
+              estimate_s=150 if COMPILE[0] in extra else 90)
+        for tag, extra in (("exact", ()), ("exact_compile", COMPILE), ("cap1.25", _cap(1.25)),
+                           ("cap1.25_compile", _cap(1.25) + COMPILE))
+    ],
+    "moe_dispatch_2gpu": [
+        Point(f"moe_4L_8k_ep2_{tag}", MOE, 2, 8192, _moe_layers(4) + FULL + _ep(2) + extra,
+              steps=10, estimate_s=150 if COMPILE[0] in extra else 90)
+        for tag, extra in (("exact", ()), ("exact_compile", COMPILE), ("cap1.25", _cap(1.25)),
+                           ("cap1.25_compile", _cap(1.25) + COMPILE))
+    ],
+    "moe_dispatch_4gpu": [
+        *[Point(f"moe_30B-A3B_12L_8k_ep4_{tag}", MOE, 4, 8192, MOE_12L + FULL + _ep(4) + extra,
+                steps=10, estimate_s=180 if COMPILE[0] in extra else 90)
+          for tag, extra in (("exact", ()), ("exact_compile", COMPILE), ("cap1.0", _cap(1.0)),
+                             ("cap1.25", _cap(1.25)), ("cap1.25_compile", _cap(1.25) + COMPILE),
+                             ("cap2.0", _cap(2.0)))],
+        Point("moe_30B-A3B_12L_16k_ep4_cap1.25_compile", MOE, 4, 16384,
+              MOE_12L + FULL + _ep(4) + _cap(1.25) + COMPILE, steps=8, estimate_s=180),
+    ],
     # The issue's 8-GPU runs, for when nvidia-h200-x8 is lent.
     "llama_8gpu": [
         Point("stock_llama3_8B_8k_fsdp8", "8B", 8, 8192, SEL, steps=12, stock=True),
@@ -148,6 +186,8 @@ PLANS: dict[str, list[Point]] = {
               steps=4, warmup=1),
         Point("smoke_llama_text_only", "train_configs/llama_omni_debug.toml", 2, 1024, (),
               steps=4, warmup=1, text_only=True),
+        Point("smoke_moe_ep2_capacity", "train_configs/qwen3_moe_omni_debug.toml", 2, 1024,
+              ("--omni.llm_layers", "1") + LLAMA_DATA + _ep(2) + _cap(1.25), steps=4, warmup=1),
     ],
 }
 
@@ -155,6 +195,7 @@ STEP_LINE = re.compile(
     r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?tflops:\s*([\d,.]+).*?mfu:\s*([\d.]+)%"
 )
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+MOE_FIELD = re.compile(r"moe: max/mean ([\d.]+) \(layer \d+\) dropped [\d,]+ \(([\d.]+)%\)")
 
 
 def parse_steps(log: str) -> list[dict]:
@@ -163,8 +204,12 @@ def parse_steps(log: str) -> list[dict]:
     for line in ANSI.sub("", log).splitlines():
         m = STEP_LINE.search(line)
         if m:
-            out.append({"step": int(m[1]), "mem_gib": float(m[2]), "tps": float(m[3].replace(",", "")),
-                        "tflops": float(m[4].replace(",", "")), "mfu": float(m[5])})
+            step = {"step": int(m[1]), "mem_gib": float(m[2]), "tps": float(m[3].replace(",", "")),
+                    "tflops": float(m[4].replace(",", "")), "mfu": float(m[5])}
+            moe = MOE_FIELD.search(line)
+            if moe:
+                step.update(max_over_mean=float(moe[1]), dropped_pct=float(moe[2]))
+            out.append(step)
     return out
 
 
@@ -203,6 +248,9 @@ def summarize(point: Point, steps: list[dict], wall_s: float, rc: int) -> dict:
     mfu = statistics.median(s["mfu"] for s in timed)
     tflops = statistics.median(s["tflops"] for s in timed)
     row.update(tps=tps, mfu=mfu, mem_gib=max(s["mem_gib"] for s in steps))
+    if all("dropped_pct" in s for s in timed):
+        row.update(max_over_mean=statistics.median(s["max_over_mean"] for s in timed),
+                   dropped_pct=statistics.median(s["dropped_pct"] for s in timed))
     if mfu > 0 and tflops > 0:
         peak = tflops * 1e12 / (mfu / 100)
         row["mfu_titan"] = 100 * tps * titan_flops_per_token(point) / peak
@@ -252,6 +300,12 @@ def table(rows: list[dict], device: str) -> str:
         else:
             lines.append(f"| {r['name']} | {r['ngpu']} | {r['seq_len'] // 1024}K | - | - | - | - | "
                          f"{r.get('status', 'exit %s' % r.get('rc'))} |")
+    moe = [r for r in rows if "dropped_pct" in r]
+    if moe:
+        lines += ["", "| point | MoE worst layer max/mean tokens per expert | copies dropped |",
+                  "| --- | --- | --- |"]
+        lines += [f"| {r['name']} | {r['max_over_mean']:.2f} | {r['dropped_pct']:.2f}% |"
+                  for r in moe]
     lines += ["", "Commands:", ""]
     lines += [f"- `{r['name']}`: `{r['command']}`" for r in rows]
     return "\n".join(lines) + "\n"
