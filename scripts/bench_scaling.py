@@ -156,6 +156,11 @@ def _sp(n: int) -> tuple[str, ...]:
             "--parallelism.encoder_sequence_parallel", "split")
 
 
+def _cap(factor: float) -> tuple[str, ...]:
+    # capacity-padded expert dispatch (0: exact uneven all-to-all)
+    return ("--parallelism.expert_capacity_factor", str(factor))
+
+
 def _ep(n: int) -> tuple[str, ...]:
     return ("--parallelism.expert_parallel_degree", str(n))
 
@@ -236,6 +241,28 @@ def moe_4gpu() -> list[Point]:
     ]
 
 
+def moe_dispatch(ngpu: int) -> list[Point]:
+    """MoE dispatch (issue 12) at the 30B-A3B layer shape: the exact uneven all-to-all (a host
+    sync per layer) against capacity-padded dispatch (static splits), eager and compiled. One
+    GPU: 2 layers, local dispatch; two: 4 layers, EP2; four: the anchor's 12 layers, EP4."""
+    layers, ep = {1: (2, ()), 2: (4, _ep(2)), 4: (12, _ep(4))}[ngpu]
+    cut = _layers(layers) + FULL + ep
+    variants = [("exact", ()), ("cap1.25", _cap(1.25))]
+    if ngpu == 4:
+        variants += [("cap1.0", _cap(1.0)), ("cap2.0", _cap(2.0))]
+    points = []
+    for tag, extra in variants:
+        point = Point(f"moe_{layers}L_8k_{ngpu}gpu_{tag}", MOE, ngpu, 8192, cut + extra,
+                      estimate_s=90)
+        points.append(point)
+        if tag in ("exact", "cap1.25"):
+            points.append(compiled(point, 90))
+    if ngpu == 4:
+        points.append(compiled(Point("moe_12L_16k_4gpu_cap1.25", MOE, 4, 16384,
+                                     cut + _cap(1.25), steps=8, estimate_s=90), 90))
+    return points
+
+
 def llama_8gpu() -> list[Point]:
     """The 8-GPU runs, for when nvidia-h200-x8 is lent."""
     points = [
@@ -273,6 +300,8 @@ def smoke_cpu() -> list[Point]:
               build_args=dense),
         Point("smoke_moe_ep2_toy", MOE_DEBUG, 2, 1024, _layers(1) + _ep(2), steps=4, warmup=1,
               build_args=dense),
+        Point("smoke_moe_ep2_capacity", MOE_DEBUG, 2, 1024, _layers(1) + _ep(2) + _cap(1.25),
+              steps=4, warmup=1, build_args=dense),
         Point("smoke_llama_text_only", LLAMA_DEBUG, 2, 1024, (), steps=4, warmup=1,
               workload="text"),
         Point("smoke_llama_realistic", LLAMA_DEBUG, 2, 1024, (), steps=4, warmup=1,
@@ -284,7 +313,8 @@ def build_plans(llm_layers: int = 16) -> dict[str, list[Point]]:
     """Every plan; ``llm_layers``: the LLM layers of the 1-GPU plan."""
     return {"omni_1gpu": omni_1gpu(llm_layers), "omni_2gpu": omni_2gpu(),
             "llama_4gpu": llama_4gpu(), "moe_4gpu": moe_4gpu(), "llama_8gpu": llama_8gpu(),
-            "moe_8gpu": moe_8gpu(), "smoke_cpu": smoke_cpu()}
+            "moe_8gpu": moe_8gpu(), "smoke_cpu": smoke_cpu(),
+            **{f"moe_dispatch_{n}gpu": moe_dispatch(n) for n in (1, 2, 4)}}
 
 
 PLANS = build_plans()
@@ -296,6 +326,8 @@ STEP_LINE = re.compile(
 )
 TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}[,.]\d{3})")
 RECOMPILE = "Recompiling function"  # dynamo's line under TORCH_LOGS=recompiles
+# the trainer's expert-load summary on MoE step lines
+MOE_FIELD = re.compile(r"moe: max/mean ([\d.]+) \(layer \d+\) dropped [\d,]+ \(([\d.]+)%\)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -317,6 +349,9 @@ def parse_steps(log: str) -> list[dict]:
             stamp = TIMESTAMP.search(line)
             if stamp:
                 step["time"] = _seconds(stamp[1])
+            moe = MOE_FIELD.search(line)
+            if moe:
+                step.update(max_over_mean=float(moe[1]), dropped_pct=float(moe[2]))
             out.append(step)
     return out
 
@@ -381,6 +416,9 @@ def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "")
     tflops = statistics.median(s["tflops"] for s in timed)
     row.update(tps=tps, mfu=mfu, mem_gib=max(s["mem_gib"] for s in steps),
                step_s=step_time(steps, point.warmup))
+    if all("dropped_pct" in s for s in timed):
+        row.update(max_over_mean=statistics.median(s["max_over_mean"] for s in timed),
+                   dropped_pct=statistics.median(s["dropped_pct"] for s in timed))
     if mfu > 0 and tflops > 0:
         peak = tflops * 1e12 / (mfu / 100)
         row["mfu_titan"] = 100 * tps * titan_flops_per_token(point) / peak
@@ -495,6 +533,12 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
             f"{_fmt(r.get('mfu'), '.1f', '%')} | {_fmt(r.get('mfu_titan'), '.1f', '%')} | "
             f"{_fmt(r.get('step_s'), '.2f')} | {_fmt(r.get('mem_gib'), '.1f')} | {recompiles} | "
             f"{status} |")
+    moe = [r for r in rows if "dropped_pct" in r]
+    if moe:
+        lines += ["", "| point | MoE worst layer max/mean tokens per expert | copies dropped |",
+                  "| --- | --- | --- |"]
+        lines += [f"| {r['name']} | {r['max_over_mean']:.2f} | {r['dropped_pct']:.2f}% |"
+                  for r in moe]
     lines += ["", "Commands:", ""]
     lines += [f"- `{r['name']}`: `{r['command']}`" for r in rows]
     return "\n".join(lines) + "\n"

@@ -34,6 +34,19 @@ def test_step_lines_of_omni_and_stock_logs():
     assert "-m torchtitan.train" in row["command"] and "--training.seq_len 8192" in row["command"]
 
 
+def test_moe_field_of_step_lines():
+    bench = _script("bench_scaling")
+    line = OMNI_LINE + "  moe: max/mean 1.84 (layer 3) dropped 1,204 (0.52%)"
+    (step,) = bench.parse_steps(line)
+    assert step["max_over_mean"] == 1.84 and step["dropped_pct"] == 0.52 and step["tps"] == 4424.0
+    point = bench.Point("m", "x.toml", 4, 8192, warmup=1)
+    row = bench.summarize(point, [dict(step, step=2, mfu=0.0)], 1.0, 0)  # no MFU: no config read
+    assert row["dropped_pct"] == 0.52
+    assert "| m | 1.84 | 0.52% |" in bench.table([row], "test")
+    names = [p.name for p in bench.PLANS["moe_dispatch_4gpu"]]
+    assert "moe_30B-A3B_12L_8k_ep4_cap1.25_compile" in names
+
+
 def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
     trace = _script("summarize_trace")
     events = [

@@ -127,6 +127,11 @@ def test_impossible_layout():
     assert "ulysses" in line
 
 
+def test_negative_expert_capacity_factor():
+    line = _one_error_line(_check(["--parallelism.expert_capacity_factor", "-0.5"]))
+    assert "parallelism.expert_capacity_factor must be >= 0" in line and "-0.5" in line
+
+
 def test_llm_layers_out_of_range():
     line = _one_error_line(_check(["--omni.llm_layers", "99"]))
     assert "omni.llm_layers (99)" in line

@@ -36,12 +36,14 @@ class OmniOutput:
     ``losses``: summed loss per head (``"text"`` and each decoder's modality), to be divided
     by the head's global target count. ``aux_losses``: per-rank means (e.g. MoE load
     balancing), unweighted, to be averaged over ranks (``OmniLoss`` weighs them).
+    ``moe_counts``: the foundation's routing counts (``Foundation.moe_counts``), or None.
     """
 
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     #: summed text loss per label group, when ``forward`` was given ``label_groups``
     text_by_group: dict[int, torch.Tensor] = field(default_factory=dict)
+    moe_counts: torch.Tensor | None = None
 
 
 def _local_media(batch: dict[str, torch.Tensor], modality: str
@@ -208,6 +210,7 @@ class OmniModel(ModelProtocol):
             else:
                 out.losses[name] = 0.0 * decoder.logits(hidden[:, :1].flatten(0, 1)).sum()
         out.aux_losses = self.llm.aux_losses()
+        out.moe_counts = self.llm.moe_counts()
         return out
 
     # ----------------------------------------------------------------- init

@@ -11,6 +11,8 @@ Run as ``python -m torchtitan_omni.train --job.config_file CONFIG [--section.key
 - throughput counts real (non-padding) tokens, and MFU uses the FLOPs of the actual batches;
 - ``[validation]`` runs ``torchtitan_omni.eval.validator.OmniValidator`` (held-out loss per
   named loss and per document modality mix).
+- MoE foundations' expert load per layer and dropped token copies are logged
+  (``torchtitan_omni.components.moe_metrics``), read on the host once per log step.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ from torchtitan_omni.checkpoint import setup_checkpointing
 from torchtitan_omni.config.manager import parse_job_config_or_exit
 from torchtitan_omni.components.inputs import model_inputs
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS
+from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
 from torchtitan_omni.components.quantization import add_omni_float8_filters
 from torchtitan_omni.distributed.compile import compiled_graphs
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.sequence import shard_sequence
-from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_
+from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_, reduce_moe_counts
 from torchtitan_omni.errors import OmniInputError
 from torchtitan_omni.flops import FlopCounter
 from torchtitan_omni.platform import is_cpu
@@ -70,6 +73,8 @@ class OmniTrainer(Trainer):
         self.flop_counter = FlopCounter(self.model_parts[0])
         self.last_losses: dict[str, float] = {}
         logger.info(output_locations(job_config))
+        #: routing counts since the last log step, on the device
+        self.moe_counter = MoECounter()
 
     # ----------------------------------------------------------------- set-up
     def init_distributed(self) -> OmniParallelDims:
@@ -109,6 +114,7 @@ class OmniTrainer(Trainer):
         with self.train_context(), self.maybe_enable_amp:
             out = model(tokens, meta, labels, absent=absent, **media)
             loss, parts = self.loss_fn(out.losses, global_counts, out.aux_losses, aux_contributions)
+        self.moe_counter.add(out.moe_counts)
         del out
         loss.backward()
         return {k: v.detach() for k, v in parts.items()}
@@ -151,6 +157,7 @@ class OmniTrainer(Trainer):
             )
             for name, value in parts.items():
                 sums[name] = sums[name] + value if name in sums else value
+        self.moe_counter.end_step()
 
         grad_norm = clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.job_config.training.max_norm
@@ -179,12 +186,24 @@ class OmniTrainer(Trainer):
             self.step, total, max_loss, losses, float(grad_norm),
             extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr,
                            **{f"targets/{n}": int(c) for n, c in global_counts.items()},
-                           **self._skipped_samples(), **self._compile_stats()},
+                           **self._skipped_samples(), **self._compile_stats(),
+                           **self._moe_stats()},
         )
 
     def _compile_stats(self) -> dict[str, int]:
         """Graphs compiled so far (stops growing after the first steps)."""
         return {COMPILED_GRAPHS: compiled_graphs()} if self.job_config.compile.enable else {}
+
+    def _moe_stats(self) -> dict[str, float]:
+        """Expert load per layer (summed over the EP group) and dropped copies (summed over all
+        ranks) since the last log step."""
+        counts, steps = self.moe_counter.take()
+        if counts is None:
+            return {}
+        dims: OmniParallelDims = self.parallel_dims
+        loads, totals = reduce_moe_counts(counts, dims.get_optional_mesh("ep"),
+                                          dims.get_optional_mesh("loss"))
+        return moe_metrics(loads, totals[0], totals[1], steps)
 
     def _skipped_samples(self) -> dict[str, int]:
         """Samples the data pipeline skipped so far, per reason, summed over data ranks."""

@@ -173,6 +173,18 @@ def reference_model(spec: ModelSpec, seed: int = 0, device: str = "cpu") -> Omni
     return model
 
 
+def with_capacity(model: OmniModel, factor: float, tokens: int) -> OmniModel:
+    """``model`` with the single-process capacity-padded dispatcher on every MoE layer: the
+    reference of a capacity-padded expert-parallel run (the rule depends only on each rank's
+    own tokens, so one process reproduces every rank's drops batch by batch)."""
+    from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
+
+    for layer in model.llm.layers.values():
+        layer.moe.dispatcher = CapacityDispatcher(layer.moe.num_experts, layer.moe.top_k, factor,
+                                                  tokens)
+    return model
+
+
 def parallel_model(spec: ModelSpec, dims: OmniParallelDims, cfg, seed: int = 0,
                    device: str = "cpu") -> OmniModel:
     """Built on meta, parallelized by ``parallelize_omni``, materialized and initialized, as

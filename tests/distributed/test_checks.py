@@ -44,6 +44,9 @@ def test_plan_problem_on_meta_models():
     assert "expert_parallel_degree (3)" in line and "4 experts" in line
     line = plan_problem(_meta_model(), 1, 2)
     assert "no experts" in line
+    assert plan_problem(_meta_model(moe=True), 1, 1, capacity_factor=1.25) is None
+    line = plan_problem(_meta_model(), 1, 1, capacity_factor=1.25)
+    assert "expert_capacity_factor is 1.25" in line and "no experts" in line
 
 
 def _config(*args):
@@ -68,6 +71,15 @@ def test_validate_job_config_layouts():
     with pytest.raises(ConfigError, match="expert_parallel_degree") as e:
         validate_job_config(cfg, world_size=2)  # the synthetic model has no experts
     cfg.parallelism.expert_parallel_degree = 1
+    for bad in (-1.0, float("nan"), float("inf")):
+        cfg.parallelism.expert_capacity_factor = bad
+        with pytest.raises(ConfigError, match="expert_capacity_factor must be >= 0") as e:
+            validate_job_config(cfg, world_size=1)
+        assert "\n" not in str(e.value)
+    cfg.parallelism.expert_capacity_factor = 1.0
+    with pytest.raises(ConfigError, match="expert_capacity_factor is 1.0 but .* no experts"):
+        validate_job_config(cfg, world_size=1)  # the synthetic model has no experts
+    cfg.parallelism.expert_capacity_factor = 0.0
     cfg.activation_checkpoint.mode = "memory_budget"
     with pytest.raises(ConfigError, match="memory_budget"):
         validate_job_config(cfg, world_size=1)

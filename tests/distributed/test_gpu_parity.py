@@ -1,5 +1,7 @@
 """The parity checks on 2+ CUDA GPUs with NCCL: float32 (tight) and bf16 mixed precision
-(bf16 tolerance) for SP2 sync/async, EP2 and EP2 + SP2, against a one-GPU reference.
+(bf16 tolerance) for SP2 sync/async, EP2, EP2 + SP2 and capacity-padded EP2 with room for every
+copy, against a one-GPU reference; and capacity-padded EP2 dropping copies (float32) against a
+reference applying the same capacity rule.
 
 Run on a GPU host: ``pytest tests/distributed/test_gpu_parity.py`` (skipped without 2 GPUs).
 """
@@ -40,8 +42,9 @@ def _worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
-def _one(world, spec, dims_kw, cfg_kw, precision):
+def _one(world, spec, dims_kw, cfg_kw, precision, ref_capacity=False):
     from tests.distributed import common as C
+    from torchtitan_omni.distributed.parallelize import capacity_tokens
 
     device = f"cuda:{torch.cuda.current_device()}"
     dims = C.make_dims(world, **dims_kw)
@@ -53,6 +56,8 @@ def _one(world, spec, dims_kw, cfg_kw, precision):
     losses = C.parallel_step(model, dims, *batches[dp])
     grads = C.full_grads(model)
     ref = C.reference_model(spec, device=device)
+    if ref_capacity:
+        C.with_capacity(ref, cfg.parallelism.expert_capacity_factor, capacity_tokens(cfg, dims.sp))
     if precision == "bfloat16":
         with torch.autocast("cuda", dtype=torch.bfloat16):
             ref_losses = C.reference_step(ref, batches)
@@ -63,13 +68,25 @@ def _one(world, spec, dims_kw, cfg_kw, precision):
         problems = C.compare(grads, ref, FP32_RTOL)
         tol = FP32_RTOL
     err = max(C.rel_error(losses[k], ref_losses[k]) for k in ref_losses)
-    return {"loss_err": err, "tol": tol, "problems": problems, "losses": losses, "ref": ref_losses}
+    counts = model.llm.moe_counts() if spec.moe else None
+    dropped = int(counts[1].sum()) if counts is not None else 0
+    return {"loss_err": err, "tol": tol, "problems": problems, "losses": losses, "ref": ref_losses,
+            "dropped": dropped}
+
+
+CAPACITY = dict(training__seq_len=16, training__local_batch_size=2)
 
 
 def _checks(world):
     from tests.distributed import common as C
 
     out = {}
+    try:  # copies dropped: float32 only (bf16 routing may flip near-tied experts, hence drops)
+        out["ep2_capacity_drops_float32"] = _one(
+            world, C.ModelSpec(moe=True), dict(dp_shard=world, ep=2),
+            dict(CAPACITY, parallelism__expert_capacity_factor=1.0), "float32", ref_capacity=True)
+    except Exception:
+        out["ep2_capacity_drops_float32"] = {"error": traceback.format_exc()}
     for precision in ("float32", "bfloat16"):
         for name, spec, dims_kw, cfg_kw in [
             ("sp2_sync", C.ModelSpec(n_kv_heads=1), dict(dp_shard=world // 2, sp=2),
@@ -79,6 +96,9 @@ def _checks(world):
             ("ep2", C.ModelSpec(moe=True), dict(dp_shard=world, ep=2), {}),
             ("ep2_sp2", C.ModelSpec(moe=True), dict(dp_shard=world // 2, sp=2, ep=2),
              dict(parallelism__ulysses_async=True, parallelism__encoder_fsdp_mesh="dp_shard")),
+            # factor E / k = 2: C = tokens, nothing can be dropped
+            ("ep2_capacity", C.ModelSpec(moe=True), dict(dp_shard=world, ep=2),
+             dict(CAPACITY, parallelism__expert_capacity_factor=2.0)),
         ]:
             key = f"{name}_{precision}"
             try:
@@ -107,7 +127,7 @@ def gpu_results():
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]
 
 
-@pytest.mark.parametrize("name", ["sp2_sync", "sp2_async", "ep2", "ep2_sp2"])
+@pytest.mark.parametrize("name", ["sp2_sync", "sp2_async", "ep2", "ep2_sp2", "ep2_capacity"])
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_gpu_parity(gpu_results, name, precision):
     for rank, res in enumerate(gpu_results):
@@ -117,3 +137,12 @@ def test_gpu_parity(gpu_results, name, precision):
         print(f"rank {rank} {name} {precision}: loss error {out['loss_err']:.2e}")
         assert out["loss_err"] <= out["tol"], out
         assert not out["problems"], f"rank {rank}: " + "; ".join(out["problems"][:8])
+
+
+def test_gpu_capacity_drops_match_reference(gpu_results):
+    for rank, res in enumerate(gpu_results):
+        out = res["ep2_capacity_drops_float32"]
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["loss_err"] <= out["tol"], out
+        assert not out["problems"], f"rank {rank}: " + "; ".join(out["problems"][:8])
+    assert sum(res["ep2_capacity_drops_float32"]["dropped"] for res in gpu_results) > 0

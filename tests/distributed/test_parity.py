@@ -18,9 +18,12 @@ from tests.harness import run_distributed
 RTOL = 1e-5
 
 
-def _layout_check(world, name, spec, dims_kw, cfg_kw, batches_fn, extra=None):
-    """Run one layout: parallel step on this rank, reference step, compare. Returns a dict."""
+def _layout_check(world, name, spec, dims_kw, cfg_kw, batches_fn, extra=None,
+                  ref_capacity=False):
+    """Run one layout: parallel step on this rank, reference step, compare. Returns a dict.
+    ``ref_capacity``: the reference applies the job's expert capacity batch by batch."""
     from tests.distributed import common as C
+    from torchtitan_omni.distributed.parallelize import capacity_tokens
 
     dims = C.make_dims(world, **dims_kw)
     cfg = C.job_config(**cfg_kw)
@@ -31,6 +34,8 @@ def _layout_check(world, name, spec, dims_kw, cfg_kw, batches_fn, extra=None):
     losses = C.parallel_step(model, dims, *batches[dp])
     grads = C.full_grads(model)
     ref = C.reference_model(spec)
+    if ref_capacity:
+        C.with_capacity(ref, cfg.parallelism.expert_capacity_factor, capacity_tokens(cfg, dims.sp))
     ref.freeze(list(cfg.omni.freeze))
     ref_losses = C.reference_step(ref, batches)
     out = {
@@ -113,6 +118,21 @@ def _expert_placements(model, ref, dims, cfg, grads, batches):
             "expert_mesh": w1.device_mesh.mesh_dim_names}
 
 
+def _moe_counts_extra(model, ref, dims, cfg, grads, batches):
+    """This rank's routed and dropped copies per layer and expert, and the reference's on the
+    same batch (the reference layer applies the same capacity rule)."""
+    from tests.distributed import common as C
+
+    counts = model.llm.moe_counts()
+    dp = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
+    batch, labels = batches[dp]
+    meta, media = C._meta(batch)
+    with torch.no_grad():
+        ref(batch[C.B.INPUT], meta, labels, **media)
+    return {"counts": counts.tolist(), "ref_counts": ref.llm.moe_counts().tolist(),
+            "dispatcher": type(model.llm.layers["0"].moe.dispatcher).__name__}
+
+
 def _split_extra(model, ref, dims, cfg, grads, batches):
     from torchtitan_omni.distributed.encoder_sp import SplitMediaEncoder
 
@@ -145,6 +165,13 @@ def _two_ranks(rank, world):
         world, "ep2_sp2", Spec(moe=True), dict(dp_shard=1, sp=2, ep=2),
         dict(parallelism__ulysses_async=True), lambda n: [C.make_batch(110, rows=1, seq=32)],
         extra=_clip_extra))
+    # EP2 with capacity-padded dispatch (C = 16 slots of 64 copies per rank): copies dropped,
+    # counted, and the single-process reference applying the same rule gives the same step.
+    capacity = dict(parallelism__expert_capacity_factor=1.0, training__seq_len=16,
+                    training__local_batch_size=2)
+    _checked(results, "ep2_capacity", lambda: _layout_check(
+        world, "ep2_capacity", Spec(moe=True), dict(dp_shard=2, ep=2), capacity, two,
+        extra=_moe_counts_extra, ref_capacity=True))
     # Encoders splitting media items over SP ranks; one image only, so a rank encodes a dummy.
     one_image = lambda ndp: [C.make_batch(100)]
     _checked(results, "sp2_split_encoders", lambda: _layout_check(
@@ -209,6 +236,20 @@ def test_ep2_with_sp2_and_clipping(two_rank):
     assert len(out["grad_meshes"]) >= 2, out["grad_meshes"]  # dense and expert meshes
 
 
+def _assert_counts(res, name, drops: bool):
+    for r, ranks in enumerate(res):
+        out = ranks[name]
+        assert out["dispatcher"] == "CapacityExpertParallelDispatcher", out["dispatcher"]
+        assert out["counts"] == out["ref_counts"], (r, out["counts"], out["ref_counts"])
+    dropped = sum(sum(sum(layer) for layer in ranks[name]["counts"][1]) for ranks in res)
+    assert (dropped > 0) == drops, dropped
+
+
+def test_ep2_capacity_drops_like_the_reference(two_rank):
+    _assert_parity(two_rank, "ep2_capacity")
+    _assert_counts(two_rank, "ep2_capacity", drops=True)
+
+
 def test_sp2_encoders_split_media_items(two_rank):
     out = _assert_parity(two_rank, "sp2_split_encoders")
     assert out["split_installed"]
@@ -242,12 +283,24 @@ def _four_ranks(rank, world):
     _checked(results, "dp2_sp2_ep2", lambda: _layout_check(
         world, "dp2sp2ep2", Spec(moe=True), dict(dp_shard=2, sp=2, ep=2),
         dict(parallelism__encoder_sequence_parallel="split"), two, extra=_clip_extra))
+    # EP4 with capacity-padded dispatch, two experts per rank, copies dropped.
+    capacity = dict(parallelism__expert_capacity_factor=1.0, training__seq_len=16,
+                    training__local_batch_size=2)
+    four = lambda ndp: [C.make_batch(400 + i) for i in range(ndp)]
+    _checked(results, "ep4_capacity", lambda: _layout_check(
+        world, "ep4_capacity", Spec(moe=True, experts=8), dict(dp_shard=4, ep=4), capacity, four,
+        extra=_moe_counts_extra, ref_capacity=True))
+    # Capacity-padded EP2 x SP2 x FSDP (dp_shard 2) with room for every copy (factor E / k:
+    # C = tokens): exactly the exact dispatch's step.
+    no_drop = dict(capacity, parallelism__expert_capacity_factor=2.0)
+    _checked(results, "dp2_sp2_ep2_capacity", lambda: _layout_check(
+        world, "dp2sp2ep2cap", Spec(moe=True), dict(dp_shard=2, sp=2, ep=2), no_drop, two,
+        extra=_moe_counts_extra))
     # HSDP: dp_replicate 2 x sp 2, encoders replicated everywhere.
     _checked(results, "hsdp_sp2", lambda: _layout_check(
         world, "hsdp", Spec(n_kv_heads=1), dict(dp_replicate=2, dp_shard=1, sp=2),
         dict(parallelism__encoder_fsdp_mesh="none"), two))
     # HSDP with expert parallel: experts on (dp_replicate, efsdp), EP over dp_shard 2.
-    four = lambda ndp: [C.make_batch(400 + i) for i in range(ndp)]
     _checked(results, "hsdp_ep2", lambda: _layout_check(
         world, "hsdp_ep", Spec(moe=True), dict(dp_replicate=2, dp_shard=2, ep=2), {}, four))
     # One expert per EP rank, FSDP-sharded over efsdp 2 on dim 1 (dim 0 cannot be split).
@@ -271,6 +324,19 @@ def test_dp2_sp2_ep2_split_encoders_and_clipping(four_rank):
     out = _assert_parity(four_rank, "dp2_sp2_ep2")
     assert abs(out["norm"] - out["ref_norm"]) <= RTOL * out["ref_norm"], out
     assert not out["clipped_problems"], out["clipped_problems"][:5]
+
+
+def test_ep4_capacity_drops_like_the_reference(four_rank):
+    _assert_parity(four_rank, "ep4_capacity")
+    _assert_counts(four_rank, "ep4_capacity", drops=True)
+
+
+def test_dp2_sp2_ep2_capacity_without_drops_is_exact(four_rank):
+    _assert_parity(four_rank, "dp2_sp2_ep2_capacity")
+    for r, ranks in enumerate(four_rank):
+        counts = ranks["dp2_sp2_ep2_capacity"]["counts"]
+        assert ranks["dp2_sp2_ep2_capacity"]["dispatcher"] == "CapacityExpertParallelDispatcher"
+        assert sum(map(sum, counts[1])) == 0 and sum(map(sum, counts[0])) > 0, f"rank {r}"
 
 
 def test_hsdp_with_sp2_and_replicated_encoders(four_rank):

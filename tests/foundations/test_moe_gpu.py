@@ -83,3 +83,40 @@ def test_float32_experts_under_bf16_autocast_use_grouped_mm(monkeypatch):
     assert calls, "grouped_mm was not used under autocast"
     err = (out.double().cpu() - ref).abs().amax(-1) / ref.abs().amax()
     assert (err < 3e-2).float().mean() > 0.95, err
+
+
+def test_padded_groups_use_grouped_mm_and_match_batched_matmul():
+    """Capacity-padded groups ``[experts, R, D]`` (zero rows for empty slots): grouped_mm with
+    static offsets against the batched matmul and float64; zero rows give zero outputs."""
+    torch.manual_seed(0)
+    E, D, H, R = 4, 256, 128, 48
+    experts = GroupedExperts(D, H, E)
+    with init_context(experts, seed=4):
+        experts.init_weights(0.05)
+    x = torch.randn(E, R, D, dtype=torch.float64)
+    x[1] = 0  # an expert with no token
+    x[2, 30:] = 0  # empty slots
+    ref = experts.double()(x, None)
+    gpu = experts.to("cuda", torch.bfloat16)
+    outs = {}
+    for grouped in (True, False):
+        gpu.use_grouped_mm = None if grouped else False
+        outs[grouped] = gpu(x.to("cuda", torch.bfloat16), None)
+    assert _rel(outs[True], ref.to("cuda")) < 2e-2 and _rel(outs[True], outs[False]) < 2e-2
+    assert outs[True][1].abs().sum() == 0 and outs[True][2, 30:].abs().sum() == 0
+
+
+def test_capacity_moe_layer_in_bf16_on_cuda_matches_float64():
+    from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
+
+    torch.manual_seed(0)
+    moe = MoE(dim=128, hidden_dim=64, num_experts=16, top_k=4)
+    with init_context(moe, seed=2):
+        moe.init_weights(0.05, 0.05)
+    moe.dispatcher = CapacityDispatcher(16, 4, 4.0)  # room for every copy: no drop
+    x = torch.randn(3, 50, 128, dtype=torch.float64)
+    ref, ref_stats = moe.double()(x)
+    out, stats = moe.to("cuda", torch.bfloat16)(x.to("cuda", torch.bfloat16))
+    assert int(stats.dropped.sum()) == 0 and int(ref_stats.dropped.sum()) == 0
+    err = (out.double().cpu() - ref).abs().amax(-1) / ref.abs().amax()
+    assert (err < 3e-2).float().mean() > 0.95, err

@@ -1,7 +1,8 @@
 """Training metrics: every named loss, real-token throughput and per-batch MFU.
 
 ``OmniMetricsProcessor`` extends TorchTitan's processor: the console line and TensorBoard get
-each loss (text, gen_image, moe_aux, ...) next to the total; throughput counts real
+each loss (text, gen_image, moe_aux, ...) next to the total (and MoE load and drops,
+``torchtitan_omni.components.moe_metrics``); throughput counts real
 (non-padding) tokens; MFU uses the FLOPs of the batches actually trained (attention by
 document lengths) when the trainer reports them.
 """
@@ -15,6 +16,8 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
+
+from torchtitan_omni.components.moe_metrics import console_summary
 
 
 #: metric name of the graphs torch.compile has made so far (logged when the job compiles)
@@ -76,6 +79,7 @@ class OmniMetricsProcessor(MetricsProcessor):
             f"{c.blue}tps: {round(tps):,}  {c.cyan}tflops: {flops_per_s / 1e12:,.2f}  "
             f"{c.magenta}mfu: {mfu:.2f}%{c.reset}"
             + (f"  compiled graphs: {metrics[COMPILED_GRAPHS]}" if COMPILED_GRAPHS in metrics else "")
+            + (f"  {moe}" if (moe := console_summary(metrics)) else "")
         )
         self.ntokens_since_last_log = 0
         self.flops_since_last_log = 0.0

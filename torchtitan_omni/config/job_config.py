@@ -37,6 +37,15 @@ class Parallelism:
     all-gathers the embeddings (needs encoders that treat items independently). See
     docs/parallelism.md."""
 
+    expert_capacity_factor: float = 0.0
+    """MoE token dispatch. 0 (default): exact, no token dropped (under expert parallel an
+    uneven all-to-all whose split sizes are read on the host, once per layer). > 0: every
+    (rank, expert) pair gets ceil(factor x tokens x top_k / experts) slots, tokens being a
+    rank's tokens per micro-batch (local_batch_size x seq_len / ulysses_degree, or the token
+    budget): fixed-size all-to-all, no host sync, MoE blocks compile as one graph; copies over
+    capacity are dropped (their expert output is zero), counted and logged
+    (moe/dropped_tokens). See docs/parallelism.md."""
+
 
 AUTO_WORKERS = -1
 

@@ -10,6 +10,7 @@ vs. experts).
 
 from __future__ import annotations
 
+import math
 import os
 
 from torchtitan.config import JobConfig
@@ -76,6 +77,12 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
     refuse_unsupported(cfg)
     degrees = resolved_degrees(cfg, world_size)
     check_values(cfg, Context(world_size, degrees))
+    factor = cfg.parallelism.expert_capacity_factor
+    if not (factor >= 0 and math.isfinite(factor)):
+        raise ConfigError(
+            f"parallelism.expert_capacity_factor must be >= 0 (0: exact dispatch, nothing "
+            f"dropped), got {factor}"
+        )
     for entry in cfg.omni.loss_weights:
         name, eq, value = entry.partition("=")
         try:
@@ -154,13 +161,15 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
         )
         if problem:
             raise ConfigError(problem)
-    _validate_plan(spec, args, degrees["ulysses_degree"], cfg.parallelism.expert_parallel_degree)
+    _validate_plan(spec, args, degrees["ulysses_degree"], cfg.parallelism.expert_parallel_degree,
+                   cfg.parallelism.expert_capacity_factor)
 
 
-def _validate_plan(spec, args, ulysses_degree: int, ep_degree: int) -> None:
+def _validate_plan(spec, args, ulysses_degree: int, ep_degree: int,
+                   capacity_factor: float = 0.0) -> None:
     """The spec's declared plan against the degrees, on the model built on the meta device
     (catches what a spec's own ``validate_parallelism`` misses)."""
-    if ulysses_degree == 1 and ep_degree == 1:
+    if ulysses_degree == 1 and ep_degree == 1 and capacity_factor == 0:
         return
     import torch
 
@@ -171,6 +180,6 @@ def _validate_plan(spec, args, ulysses_degree: int, ep_degree: int) -> None:
             model = spec.model_cls(args)
     except Exception:  # noqa: BLE001  (building fails for other reasons: the trainer reports it)
         return
-    problem = plan_problem(model, ulysses_degree, ep_degree)
+    problem = plan_problem(model, ulysses_degree, ep_degree, capacity_factor)
     if problem:
         raise ConfigError(problem)

@@ -48,6 +48,12 @@ class BatchPlan:
             return max(1, self.token_budget // self.seq_len)
         return self.rows
 
+    def max_tokens(self) -> int:
+        """The most tokens (padding included) one batch can hold."""
+        if self.token_budget and not self.packing and not self.fixed_length:
+            return self.token_budget
+        return self.packed_rows * self.seq_len
+
     def row_length(self, longest: int) -> int:
         """Padded row length for rows whose longest content is ``longest`` tokens."""
         if self.fixed_length:

@@ -38,7 +38,8 @@ def expert_problem(num_experts: int, degree: int, where: str = "the model") -> s
     return None
 
 
-def plan_problem(model: nn.Module, ulysses_degree: int, expert_parallel_degree: int) -> str | None:
+def plan_problem(model: nn.Module, ulysses_degree: int, expert_parallel_degree: int,
+                 capacity_factor: float = 0.0) -> str | None:
     """The first problem of the model's declared plan at these degrees, or None."""
     from torchtitan_omni.distributed.parallelize import matching_modules
 
@@ -69,4 +70,9 @@ def plan_problem(model: nn.Module, ulysses_degree: int, expert_parallel_degree: 
                 problem = expert_problem(params[0].shape[0], expert_parallel_degree, name)
                 if problem:
                     return problem
+    if capacity_factor > 0 and not matching_modules(model, "", plan.experts):
+        return (
+            f"parallelism.expert_capacity_factor is {capacity_factor} but "
+            f"{type(model).__name__} has no experts in its plan"
+        )
     return None

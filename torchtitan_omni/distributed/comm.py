@@ -5,6 +5,9 @@ Every function here is differentiable, its backward the adjoint collective, so g
 across ranks exactly as activations did. They take a ``ProcessGroup`` (use
 ``mesh.get_group()``) and work on gloo (CPU) and NCCL.
 
+Expert parallel exchanges token copies with :func:`all_to_all_v` (uneven: the split sizes are
+read on the host) or :func:`all_to_all_blocks` (equal, capacity-padded blocks: no host read).
+
 Ulysses swaps a split sequence for split heads with :func:`all_to_all` (sync; PyTorch's
 functional collectives, so ``torch.compile`` traces it into a block's graph) or with the
 :func:`all_to_all_start` / :func:`all_to_all_wait` pair (async): the pair launches the
@@ -167,6 +170,18 @@ def all_to_all_linear(
     ``x`` is ``[..., heads, head_dim]``; the last two dimensions are flattened for the linear.
     """
     return _AllToAllLinear.apply(x, weight, bias, scatter_dim, gather_dim, group)
+
+
+def all_to_all_blocks(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``x`` ``[world, ...]``: block ``j`` goes to rank ``j``; returns ``[world, ...]`` with
+    block ``i`` from rank ``i``. Equal blocks, so the split sizes come from the shape alone
+    (no host read); PyTorch's functional collective, traced by ``torch.compile``, whose
+    backward is the same exchange of the gradients."""
+    if x.shape[0] != group.size():
+        raise ValueError(f"all_to_all_blocks: {x.shape[0]} blocks for a group of {group.size()}")
+    if group.size() == 1:
+        return x
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, group))
 
 
 # ----------------------------------------------------------------- uneven all-to-all (EP)

@@ -13,9 +13,12 @@ first change marks the varying sizes dynamic, so a job compiles each block class
 times and never again. :func:`compiled_graphs` counts the compilations; the trainer logs
 them (``compile/graphs``).
 
-A block class whose forward cannot be one graph declares ``compile_fullgraph = False``
-(e.g. MoE blocks: routing statistics and expert-parallel split sizes live on the host); it is
-then compiled in pieces with graph breaks.
+A block whose forward cannot be one graph says so with ``compile_fullgraph`` False (an MoE
+block under expert parallel: its experts are an FSDP unit of their own, whose hooks dynamo
+never traces, and the exact dispatcher reads split sizes on the host). It is compiled in
+pieces with graph breaks, and *before* activation checkpointing (``compile_units(...,
+graph_breaks=True)``), so the checkpoint wraps the compiled pieces: dynamo cannot split a
+checkpointed region, and a graph break inside one would run the whole block eagerly.
 
 ``components = ["loss"]`` compiles the elementwise kernel of the chunked text-head loss
 (``torchtitan_omni.modules.linear_cross_entropy``).
@@ -45,14 +48,24 @@ class Compiled(nn.Module):
         return self._omni_compiled_forward(*args, **kwargs)
 
 
-def compile_units(units: list[nn.Module], backend: str) -> int:
-    """Compile each unit's forward (names and FSDP hooks unchanged); returns the count."""
+def breaks_graph(unit: nn.Module) -> bool:
+    """Whether ``unit``'s forward cannot be one graph (``compile_fullgraph`` False)."""
+    return not getattr(unit, "compile_fullgraph", True)
+
+
+def compile_units(units: list[nn.Module], backend: str, graph_breaks: bool | None = None) -> int:
+    """Compile each unit's forward (names and FSDP hooks unchanged); returns the count.
+
+    ``graph_breaks``: compile only the units that break the graph (True), only those that are
+    one graph (False), or all (None)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                 CACHE_SIZE_LIMIT)
+    if graph_breaks is not None:
+        units = [u for u in units if breaks_graph(u) == graph_breaks]
     for unit in units:
         if isinstance(unit, Compiled):
             raise ValueError(f"{type(unit).__name__} is compiled twice")
-        fullgraph = getattr(unit, "compile_fullgraph", True)
+        fullgraph = not breaks_graph(unit)
         inner = unit.forward  # the class's forward as it is now (possibly checkpointed)
         extend_class(unit, Compiled, _omni_compiled_forward=torch.compile(
             inner, backend=backend, fullgraph=fullgraph))

@@ -10,12 +10,23 @@ tokens, sorts the routed copies by expert and calls its ``dispatcher``::
 ``x_sorted`` is ``[N, dim]`` (N = tokens x top_k, grouped by expert id), ``counts`` ``[E]``
 int64 routed copies per expert. Without EP the dispatcher is the identity
 (``torchtitan_omni.modules.moe.LocalDispatcher``). With EP degree P, rank r owns experts
-``[r E/P, (r+1) E/P)``: :class:`ExpertParallelDispatcher` first exchanges the per-expert counts, then sends every
-token copy to its expert's rank (uneven all-to-all), regroups what arrived by local expert,
-and ``combine`` undoes both steps. The experts' parameters (``[E, ...]``) become DTensors
-sharded on dim 0 over ``ep``; their forward must use ``w.to_local()`` when ``w`` is a DTensor.
-The ``ep`` mesh borrows ranks from dp_shard x sp, so with sequence parallel the tokens of
-every SP slice in an EP group are exchanged too.
+``[r E/P, (r+1) E/P)``. Two dispatchers, chosen by ``parallelism.expert_capacity_factor``:
+
+- 0 (default), exact: :class:`ExpertParallelDispatcher` first exchanges the per-expert counts,
+  reads the split sizes on the host (one sync per layer and pass), sends every token copy to
+  its expert's rank (uneven all-to-all), regroups what arrived by local expert, and
+  ``combine`` undoes both steps. Nothing is dropped; ``torch.compile`` breaks the block's
+  graph at the host read.
+- > 0, capacity-padded: :class:`CapacityExpertParallelDispatcher` gives every (source rank,
+  expert) pair a fixed number of slots (``torchtitan_omni.modules.moe_capacity``), so the
+  all-to-all has equal, static blocks: no host read (the block's graph still breaks around the
+  experts' own FSDP unit). Copies beyond capacity are dropped and counted.
+
+Without EP a positive factor installs the single-rank ``CapacityDispatcher`` (same drops as
+under EP: the rule depends only on each rank's own tokens). The experts' parameters
+(``[E, ...]``) become DTensors sharded on dim 0 over ``ep``; their forward must use
+``w.to_local()`` when ``w`` is a DTensor. The ``ep`` mesh borrows ranks from dp_shard x sp,
+so with sequence parallel the tokens of every SP slice in an EP group are exchanged too.
 
 Experts' FSDP is applied by ``torchtitan_omni.distributed.parallelize`` over the ``efsdp``
 mesh (never the dense one): the ranks holding the same experts.
@@ -29,7 +40,10 @@ from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_v, exchange_counts
+from torchtitan_omni.distributed.comm import (
+    ProcessGroup, all_to_all_blocks, all_to_all_v, exchange_counts,
+)
+from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
 
 
 class _Permute(Function):
@@ -71,7 +85,11 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertParallelDispatcher:
-    """Token dispatch and combine over an expert-parallel process group."""
+    """Exact token dispatch and combine over an expert-parallel process group (uneven
+    all-to-all, split sizes read on the host)."""
+
+    #: the split sizes are read on the host: torch.compile breaks the block's graph here
+    host_sync = True
 
     def __init__(self, group: ProcessGroup, num_experts: int) -> None:
         self.group = group
@@ -110,6 +128,26 @@ class ExpertParallelDispatcher:
         perm, inverse, in_splits, out_splits = state
         back = _Permute.apply(y, inverse, perm)
         return all_to_all_v(back, in_splits, out_splits, self.group)
+
+    def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:
+        """Nothing is dropped."""
+        return torch.zeros_like(counts)
+
+
+class CapacityExpertParallelDispatcher(CapacityDispatcher):
+    """Capacity-padded dispatch over an expert-parallel group: equal all-to-all of fixed-size
+    slot blocks (``torchtitan_omni.modules.moe_capacity``). ``tokens`` (tokens per micro-batch
+    of a rank) must be the same on every rank of the group: it sets the block size."""
+
+    def __init__(self, group: ProcessGroup, num_experts: int, top_k: int, factor: float,
+                 tokens: int) -> None:
+        if tokens is None:
+            raise ValueError("capacity-padded expert parallel needs the tokens per micro-batch")
+        super().__init__(num_experts, top_k, factor, tokens, ranks=group.size())
+        self.group = group
+
+    def exchange(self, blocks: torch.Tensor) -> torch.Tensor:
+        return all_to_all_blocks(blocks, self.group)
 
 
 def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> int:
@@ -153,10 +191,32 @@ def find_moe_layer(model: nn.Module, experts_name: str) -> nn.Module:
     return parent
 
 
-def apply_expert_parallel(model: nn.Module, experts_names: list[str], ep_mesh: DeviceMesh) -> None:
-    """Shard each experts module over ``ep`` and install the all-to-all dispatcher."""
-    group = ep_mesh.get_group()
+def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
+                    capacity_factor: float, tokens: int | None):
+    """The dispatcher for a layer: exact or capacity-padded (``capacity_factor`` > 0), over
+    ``group`` or local (None); None when the default local exact one fits."""
+    if capacity_factor > 0:
+        if group is None or group.size() == 1:
+            return CapacityDispatcher(num_experts, top_k, capacity_factor, tokens)
+        return CapacityExpertParallelDispatcher(group, num_experts, top_k, capacity_factor, tokens)
+    if group is None or group.size() == 1:
+        return None
+    return ExpertParallelDispatcher(group, num_experts)
+
+
+def apply_expert_parallel(model: nn.Module, experts_names: list[str], ep_mesh: DeviceMesh | None,
+                          capacity_factor: float = 0.0, tokens: int | None = None) -> None:
+    """Shard each experts module over ``ep`` (when given) and install the dispatcher chosen by
+    :func:`make_dispatcher`; ``tokens``: tokens per micro-batch of a rank (capacity)."""
+    group = ep_mesh.get_group() if ep_mesh is not None else None
     for name in experts_names:
         experts = model.get_submodule(name)
-        num_experts = shard_experts(experts, ep_mesh)
-        find_moe_layer(model, name).dispatcher = ExpertParallelDispatcher(group, num_experts)
+        if ep_mesh is not None:
+            num_experts = shard_experts(experts, ep_mesh)
+        else:
+            num_experts = next(experts.parameters(recurse=False)).shape[0]
+        layer = find_moe_layer(model, name)
+        dispatcher = make_dispatcher(num_experts, getattr(layer, "top_k", 1), group,
+                                     capacity_factor, tokens)
+        if dispatcher is not None:
+            layer.dispatcher = dispatcher

@@ -5,11 +5,13 @@ Order (each step reads the spec's ``OmniParallelPlan``):
 1. seed and freeze (``omni.init_seed``, ``omni.freeze``);
 2. Ulysses runners on the plan's ``sequence_parallel_attention`` modules (sync or async), and
    the encoders' SP mode (``parallelism.encoder_sequence_parallel``);
-3. expert parallel on the plan's ``experts`` modules (``ep`` mesh, all-to-all dispatcher);
+3. expert parallel on the plan's ``experts`` modules (``ep`` mesh, all-to-all dispatcher), or
+   the capacity-padded local dispatcher (``parallelism.expert_capacity_factor`` without EP);
 4. activation checkpointing of each part's ``ac_units``;
 5. ``torch.compile`` of the same blocks and of the loss kernel (``[compile]``,
-   ``torchtitan_omni.distributed.compile``), then activation offload of the LLM's blocks
-   (``omni.activation_offload``);
+   ``torchtitan_omni.distributed.compile``); blocks that break the graph are compiled before
+   step 4, so their checkpoint wraps the compiled pieces (not under per-op selective AC); then
+   activation offload of the LLM's blocks (``omni.activation_offload``);
 6. FSDP2: experts over the expert mesh, then each part's units and the part over the part's
    mesh, then the root. Every reduction is a plain sum (the loss is already divided by the
    global target count; gloo has no AVG/PREMUL_SUM).
@@ -223,9 +225,19 @@ def apply_activation_checkpointing(model: nn.Module, plan: OmniParallelPlan, job
 
 
 # ----------------------------------------------------------------- torch.compile
-def apply_compile(model: nn.Module, plan: OmniParallelPlan, job_config: JobConfig) -> dict[str, int]:
+def _per_op_ac(job_config: JobConfig) -> bool:
+    """Whether some part uses per-op selective activation checkpointing."""
+    ac = job_config.activation_checkpoint
+    return ((ac.mode == "selective" and str(ac.selective_ac_option) == "op")
+            or job_config.omni.encoder_activation_checkpoint == "op")
+
+
+def apply_compile(model: nn.Module, plan: OmniParallelPlan, job_config: JobConfig,
+                  graph_breaks: bool | None = None) -> dict[str, int]:
     """Compile every part's blocks (``compile.components`` has "model") and the text head's
-    loss kernel ("loss"); returns what was compiled per part."""
+    loss kernel ("loss"); returns what was compiled per part. ``graph_breaks``: only the blocks
+    that break the graph (True: call before activation checkpointing), only the others and the
+    loss (False: after it), or everything (None)."""
     cfg = job_config.compile
     if not cfg.enable:
         return {}
@@ -233,11 +245,46 @@ def apply_compile(model: nn.Module, plan: OmniParallelPlan, job_config: JobConfi
     if "model" in cfg.components:
         for part in plan.parts:
             units = [m for _, m in matching_modules(model, part.root, part.ac_units)]
-            if units:
-                done[part.root] = compile_units(units, cfg.backend)
-    if "loss" in cfg.components:
+            n = compile_units(units, cfg.backend, graph_breaks) if units else 0
+            if n:
+                done[part.root] = n
+    if "loss" in cfg.components and graph_breaks is not True:
         done["loss heads"] = compile_loss_heads(model, cfg.backend)
     return done
+
+
+# ----------------------------------------------------------------- expert dispatch
+def capacity_tokens(job_config: JobConfig, sp: int) -> int:
+    """Tokens of one rank's micro-batch that expert capacity is sized for: the most a batch
+    holds (``BatchPlan.max_tokens``) over the Ulysses degree. A config value, so every rank of
+    an expert-parallel group agrees on the slot sizes without communicating."""
+    from torchtitan_omni.data.packing import BatchPlan
+
+    t, d = job_config.training, job_config.data
+    plan = BatchPlan(seq_len=t.seq_len, rows=t.local_batch_size, token_budget=d.token_budget,
+                     packing=d.packing, fixed_length=d.pad_to_fixed_length)
+    return -(-plan.max_tokens() // sp)
+
+
+def apply_expert_dispatch(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
+                          job_config: JobConfig) -> list[str]:
+    """Expert parallel (``ep`` > 1) and/or the capacity-padded dispatcher on the plan's experts;
+    returns the experts modules sharded over ``ep`` (empty without EP)."""
+    factor = job_config.parallelism.expert_capacity_factor
+    if dims.ep == 1 and factor == 0:
+        return []
+    names = [n for n, _ in matching_modules(model, "", plan.experts)]
+    if not names:
+        what = ("parallelism.expert_parallel_degree > 1" if dims.ep > 1
+                else "parallelism.expert_capacity_factor > 0")
+        raise ValueError(f"{what} but the model's plan lists no experts modules (or none matches)")
+    mesh = dims.get_mesh("ep") if dims.ep > 1 else None
+    tokens = capacity_tokens(job_config, dims.sp) if factor > 0 else None
+    apply_expert_parallel(model, names, mesh, factor, tokens)
+    dispatch = (f"capacity factor {factor} ({tokens} tokens per rank and micro-batch)"
+                if factor > 0 else "exact")
+    logger.info(f"MoE dispatch on {len(names)} experts modules: EP{dims.ep}, {dispatch}")
+    return names if dims.ep > 1 else []
 
 
 # ----------------------------------------------------------------- entry point
@@ -259,22 +306,23 @@ def parallelize_omni(model: nn.Module, parallel_dims: OmniParallelDims, job_conf
             split = install_split_encoders(model.encoders, dims.get_mesh("sp").get_group())
             logger.info(f"Encoders split media items over SP ranks: {', '.join(split)}")
 
-    expert_names = []
-    if dims.ep > 1:
-        expert_names = [n for n, _ in matching_modules(model, "", plan.experts)]
-        if not expert_names:
-            raise ValueError(
-                "parallelism.expert_parallel_degree > 1 but the model's plan lists no experts "
-                "modules (or none matches)"
-            )
-        apply_expert_parallel(model, expert_names, dims.get_mesh("ep"))
-        logger.info(f"Expert parallel EP{dims.ep} on {len(expert_names)} experts modules")
+    expert_names = apply_expert_dispatch(model, plan, dims, job_config)
+
+    # Blocks that break the graph are compiled inside their activation checkpoint, the others
+    # around it (torchtitan_omni.distributed.compile). Per-op selective AC cannot run compiled
+    # code inside its checkpoint: there, such blocks are left to dynamo around the checkpoint,
+    # which runs them eagerly.
+    inside = not _per_op_ac(job_config)
+    pieces = apply_compile(model, plan, job_config, graph_breaks=True) if inside else {}
+    if pieces:
+        logger.info("torch.compile, with graph breaks: "
+                    + ", ".join(f"{k}: {v}" for k, v in pieces.items()))
 
     ac = apply_activation_checkpointing(model, plan, job_config)
     if ac:
         logger.info("Activation checkpointing: " + ", ".join(f"{k}: {v} units" for k, v in ac.items()))
 
-    compiled = apply_compile(model, plan, job_config)
+    compiled = apply_compile(model, plan, job_config, graph_breaks=False if inside else None)
     if compiled:
         logger.info("torch.compile: " + ", ".join(f"{k}: {v}" for k, v in compiled.items()))
 

@@ -1,6 +1,6 @@
-"""Small collective helpers used by the trainer: reductions over a mesh, and gradient-norm
-clipping over parameters that live on different meshes (encoders, LLM and experts may each be
-sharded differently)."""
+"""Small collective helpers used by the trainer: reductions over a mesh, the MoE routing
+counts' reduction, and gradient-norm clipping over parameters that live on different meshes
+(encoders, LLM and experts may each be sharded differently)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,20 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh | None, op: str = "sum") -
         return tensor
     group = mesh if mesh.ndim == 1 else mesh._flatten()
     return funcol.all_reduce(tensor, reduceOp=op, group=group)
+
+
+def reduce_moe_counts(counts: torch.Tensor, ep_mesh: DeviceMesh | None,
+                      all_mesh: DeviceMesh | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing counts ``[2, layers, experts]`` (routed, dropped) of this rank -> on the host,
+    ``[layers, experts]`` routed copies summed over the expert-parallel group (the tokens each
+    expert's rank computes) and ``[2, layers]`` routed and dropped copies summed over
+    ``all_mesh`` (every rank). Two reductions, one host read."""
+    routed, dropped = counts[0], counts[1]
+    loads = all_reduce(routed, ep_mesh)
+    totals = all_reduce(torch.stack([routed.sum(-1), dropped.sum(-1)]), all_mesh)
+    host = torch.cat([loads.flatten(), totals.flatten()]).cpu()
+    layers, experts = routed.shape
+    return host[: layers * experts].view(layers, experts), host[layers * experts:].view(2, layers)
 
 
 @torch.no_grad()

@@ -5,8 +5,11 @@ scaling), then a token-choice MoE (``torchtitan_omni.modules.moe``: softmax rout
 renormalized, grouped SwiGLU experts). Untied text head. Weight names map onto Hugging Face
 ``Qwen3MoeForCausalLM`` checkpoints through ``torchtitan_omni.foundations.hf_adapters``.
 
+Each block returns ``(hidden, RoutingStats)``; the foundation's (eager) forward keeps the
+statistics of its last forward, outside the blocks, so a compiled block stays one pure graph.
 ``aux_losses()`` returns ``{"moe_aux": ...}``: the load-balancing loss of the last forward over
-all layers, unweighted (``omni.moe_aux_loss_weight`` weighs it).
+all layers, unweighted (``omni.moe_aux_loss_weight`` weighs it); ``moe_counts()`` the routed
+and dropped copies per layer and expert, which the trainer logs.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan_omni.modules.attention import SelfAttention
-from torchtitan_omni.modules.moe import MoE, load_balancing_loss
+from torchtitan_omni.modules.moe import MoE, RoutingStats, load_balancing_loss
 from torchtitan_omni.modules.rope import RotaryEmbedding
 from torchtitan_omni.foundations.decoder import DecoderLM, PreNormBlock
 from torchtitan_omni.protocols.modules import AttentionMeta
@@ -56,9 +60,6 @@ class Qwen3MoeBlock(PreNormBlock):
     """Pre-norm attention (q/k norm) + MoE block."""
 
     ffn_attr = "moe"
-    #: the MoE layer keeps routing statistics on the module and, under expert parallel, reads
-    #: split sizes on the host: torch.compile takes it in pieces (graph breaks)
-    compile_fullgraph = False
 
     def __init__(self, layer_id: int, args: Qwen3MoeArgs, rope: RotaryEmbedding) -> None:
         attention = SelfAttention(
@@ -68,24 +69,47 @@ class Qwen3MoeBlock(PreNormBlock):
         moe = MoE(args.dim, args.moe_hidden_dim, args.num_experts, args.top_k, args.norm_topk_prob)
         super().__init__(layer_id, args, attention, moe)
 
+    @property
+    def compile_fullgraph(self) -> bool:
+        """One graph, unless the dispatcher reads split sizes on the host (the exact
+        expert-parallel all-to-all) or the experts are sharded over ``ep`` (then they are an
+        FSDP unit of their own, whose hooks dynamo never traces): ``torch.compile`` then breaks
+        the graph there."""
+        return not self.moe.dispatcher.host_sync and not isinstance(self.moe.experts.w1, DTensor)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMeta) -> tuple[torch.Tensor, RoutingStats]:
+        x = x + self.attention(self.attention_norm(x), meta)
+        out, stats = self.moe(self.ffn_norm(x))
+        return x + out, stats
+
 
 class Qwen3Moe(DecoderLM):
     """Token embedding, Qwen3-MoE blocks, final RMSNorm and the untied text head."""
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__(args, lambda i, rope: Qwen3MoeBlock(i, args, rope))
+        #: every layer's routing statistics of the last forward
+        self.routing: list[RoutingStats] = []
 
     def forward(self, h: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        stats = []
         for layer in self.layers.values():
-            layer.moe.balance = None
-        return super().forward(h, meta)
+            h, layer_stats = layer(h, meta)
+            stats.append(layer_stats)
+        self.routing = stats
+        return self.norm(h)
 
     def aux_losses(self) -> dict[str, torch.Tensor]:
         """The load-balancing loss of the last forward, pooled over all layers (HF's)."""
-        records = [layer.moe.balance for layer in self.layers.values()]
-        if any(r is None for r in records):
+        if not self.routing:
             return {}
-        return {AUX_LOSS: load_balancing_loss(records, self.args.num_experts)}
+        return {AUX_LOSS: load_balancing_loss(self.routing, self.args.num_experts, self.args.top_k)}
+
+    def moe_counts(self) -> torch.Tensor | None:
+        """``[2, layers, experts]`` int64 of the last forward: routed (0) and dropped (1)."""
+        if not self.routing:
+            return None
+        return torch.stack([torch.stack([s.routed, s.dropped]) for s in self.routing], dim=1)
 
     def hf_adapter(self):
         from torchtitan_omni.foundations.hf_adapters import Qwen3MoeHFAdapter

@@ -7,7 +7,9 @@ is the weighted sum of its k experts' SwiGLU outputs.
 Experts (``GroupedExperts``) are three stacked parameters: ``w1``/``w3`` ``[E, H, D]`` (gate and
 up projections) and ``w2`` ``[E, D, H]`` (down), laid out like Hugging Face's per-expert
 ``gate_proj``/``up_proj``/``down_proj`` weights stacked on a new dim 0. On CUDA with bf16
-inputs they compute with ``torch._grouped_mm``; otherwise with an exact per-expert loop.
+inputs they compute with ``torch._grouped_mm``; otherwise with an exact matmul per expert
+(``torchtitan_omni.modules.segment_mm``, one opaque operator to ``torch.compile``), or one
+batched matmul for padded groups.
 
 Dispatcher interface (what expert parallel replaces)
 ----------------------------------------------------
@@ -20,31 +22,40 @@ Dispatcher interface (what expert parallel replaces)
 
 - ``x_sorted``: ``[N * k, D]`` routed copies grouped by global expert id; ``counts``: int64
   ``[E]`` copies per expert;
-- ``x_local``/``counts_local``: the copies this rank's experts must process, grouped by
-  *local* expert, and how many each local expert gets;
-- ``combine`` returns ``experts``' outputs to the rows of ``x_sorted`` they came from.
+- ``x_local``/``counts_local``: the copies this rank's experts must process, either exact
+  groups (``[M, D]`` grouped by *local* expert, ``counts_local`` rows each) or padded groups
+  (``[local experts, R, D]``, ``counts_local`` None: R rows each, unused rows zero);
+- ``combine`` returns ``experts``' outputs to the rows of ``x_sorted`` they came from (zero
+  for a copy the dispatcher dropped);
+- ``dispatcher.dropped(counts, copies)``: ``[E]`` copies it drops per expert;
+- ``dispatcher.host_sync``: whether it reads device values on the host (the exact
+  expert-parallel all-to-all reads its split sizes), which makes ``torch.compile`` break the
+  block's graph there.
 
 The layer then weighs each copy by its routing weight and sums a token's k copies
 (:func:`combine`). The default :class:`LocalDispatcher` is the identity (every expert is
-local); ``torchtitan_omni.distributed.expert_parallel`` installs the all-to-all one.
-``GroupedExperts.forward(x, counts)`` computes with whatever slice of experts the rank holds:
-when its parameters are DTensors (sharded on dim 0 over the ``ep`` mesh) it uses their local
-shards, and ``counts`` has one entry per local expert.
+local, nothing dropped); ``torchtitan_omni.modules.moe_capacity.CapacityDispatcher`` drops
+copies beyond a fixed capacity per expert, and ``torchtitan_omni.distributed.expert_parallel``
+installs the all-to-all ones (``parallelism.expert_capacity_factor`` chooses exact or
+capacity-padded). ``GroupedExperts.forward(x, counts)`` computes with whatever slice of
+experts the rank holds: when its parameters are DTensors (sharded on dim 0 over the ``ep``
+mesh) it uses their local shards, and ``counts`` has one entry per local expert.
 
 A spec's ``OmniParallelPlan.experts`` patterns name ``GroupedExperts`` modules (e.g.
 ``"llm.layers.*.moe.experts"``); the owning ``MoE`` (the name without its last segment) holds
 the ``dispatcher`` to replace.
 
-Load balancing: every forward records, per layer, the number of (token, expert) assignments
-and the summed router probabilities of each expert (``MoE.balance``). The foundation turns the
-records of all its layers into the Switch Transformer auxiliary loss with
-:func:`load_balancing_loss` (Hugging Face's ``load_balancing_loss_func``).
+Routing statistics: ``MoE.forward`` returns ``(output, RoutingStats)``: per expert, the
+router's assignments, the summed router probabilities (differentiable) and the copies the
+dispatcher dropped. Returned, not kept on the module, so a block is a pure function that
+``torch.compile`` can take as one graph. The foundation turns the statistics of all its layers
+into the Switch Transformer auxiliary loss with :func:`load_balancing_loss` (Hugging Face's
+``load_balancing_loss_func``), and the trainer logs the counts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
@@ -52,18 +63,26 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torchtitan_omni.modules import init
+from torchtitan_omni.modules.segment_mm import segment_mm
 
 
 class Dispatcher(Protocol):
     """Moves sorted token copies to the experts' ranks and back (see the module docstring)."""
 
-    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+    host_sync: bool
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, Any]: ...
 
     def combine(self, y: torch.Tensor, state: Any) -> torch.Tensor: ...
+
+    def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor: ...
 
 
 class LocalDispatcher:
     """No expert parallel: every expert is local, so dispatch and combine are identities."""
+
+    host_sync = False
 
     def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         return x, counts, None
@@ -71,6 +90,10 @@ class LocalDispatcher:
     def combine(self, y: torch.Tensor, state: None) -> torch.Tensor:
         del state
         return y
+
+    def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:
+        """Nothing is dropped."""
+        return torch.zeros_like(counts)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -93,13 +116,17 @@ def _experts_grouped_mm(x, w1, w2, w3, counts) -> torch.Tensor:
     return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
 
 
-def _experts_loop(x, w1, w2, w3, counts) -> torch.Tensor:
-    # counts.tolist() syncs with the device; this path is for CPU and odd shapes/dtypes.
-    outs = []
-    for e, xe in enumerate(torch.split(x, counts.tolist(), dim=0)):
-        h = F.silu(xe @ w1[e].transpose(0, 1)) * (xe @ w3[e].transpose(0, 1))
-        outs.append(h @ w2[e].transpose(0, 1))
-    return torch.cat(outs, dim=0) if outs else x.new_zeros(x.shape)
+def _experts_segments(x, w1, w2, w3, counts) -> torch.Tensor:
+    # one exact matmul per expert; the split sizes are read inside the operator
+    gate = segment_mm(x, w1.transpose(-2, -1), counts)
+    up = segment_mm(x, w3.transpose(-2, -1), counts)
+    return segment_mm(F.silu(gate) * up, w2.transpose(-2, -1), counts)
+
+
+def _experts_batched(x, w1, w2, w3) -> torch.Tensor:
+    # padded groups [experts, R, D]: one batched matmul per projection, no host read
+    h = F.silu(x @ w1.transpose(-2, -1)) * (x @ w3.transpose(-2, -1))
+    return h @ w2.transpose(-2, -1)
 
 
 class GroupedExperts(nn.Module):
@@ -116,7 +143,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.active_fraction = 1.0
-        #: None: grouped_mm when usable (CUDA, bf16); False: always the exact loop
+        #: None: grouped_mm when usable (CUDA, bf16); False: always the exact per-expert path
         self.use_grouped_mm: bool | None = None
 
     @property
@@ -124,20 +151,28 @@ class GroupedExperts(nn.Module):
         """Experts this rank holds (all of them unless expert parallel shards them)."""
         return _local(self.w1).shape[0]
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[M, D]`` sorted by local expert, ``counts`` ``[local experts]`` -> ``[M, D]``."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        """Exact groups: ``x`` ``[M, D]`` sorted by local expert, ``counts`` ``[local experts]``;
+        padded groups: ``x`` ``[local experts, R, D]``, ``counts`` None. Same shape out."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        if counts.shape[0] != w1.shape[0]:
+        groups = x.shape[0] if counts is None else counts.shape[0]
+        if groups != w1.shape[0]:
             raise ValueError(
-                f"GroupedExperts got token counts for {counts.shape[0]} experts but holds "
+                f"GroupedExperts got token counts for {groups} experts but holds "
                 f"{w1.shape[0]} (local) experts"
             )
         if x.is_cuda and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16:
             # Without FSDP's mixed precision, TorchTitan autocasts; grouped_mm does not.
             x, w1, w2, w3 = (t.to(torch.bfloat16) for t in (x, w1, w2, w3))
-        if self.use_grouped_mm is not False and _grouped_mm_usable(x, w1, w2):
+        grouped = self.use_grouped_mm is not False and _grouped_mm_usable(x, w1, w2)
+        if counts is None:
+            if not grouped:
+                return _experts_batched(x, w1, w2, w3)
+            rows = torch.full((groups,), x.shape[1], device=x.device, dtype=torch.int64)
+            return _experts_grouped_mm(x.flatten(0, 1), w1, w2, w3, rows).view_as(x)
+        if grouped:
             return _experts_grouped_mm(x, w1, w2, w3, counts)
-        return _experts_loop(x, w1, w2, w3, counts)
+        return _experts_segments(x, w1, w2, w3, counts)
 
     def init_weights(self, std: float, out_std: float | None = None) -> None:
         """Truncated-normal experts (``out_std`` for the down projection ``w2``)."""
@@ -173,39 +208,42 @@ def combine(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     n, k = weights.shape
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    per_token = out_sorted[inverse].view(n, k, -1)
+    per_token = out_sorted[inverse].view(n, k, out_sorted.shape[-1])
     return torch.bmm(weights.to(per_token.dtype).unsqueeze(1), per_token).squeeze(1)
 
 
-@dataclass
-class BalanceRecord:
-    """One MoE layer's routing statistics over the tokens of one forward."""
+class RoutingStats(NamedTuple):
+    """One MoE layer's routing over the tokens of one forward (returned by ``MoE.forward``)."""
 
-    #: ``[E]``: how many of the ``N * k`` assignments went to each expert (no grad)
-    assignments: torch.Tensor
-    #: ``[E]``: router probabilities summed over the N tokens (differentiable; float32 or wider)
+    #: ``[E]``: router probabilities summed over the tokens (differentiable; float32 or wider)
     prob_sum: torch.Tensor
-    #: number of tokens N
-    tokens: int
+    #: ``[E]`` int64: the router's (token, expert) assignments per expert, before any drop
+    routed: torch.Tensor
+    #: ``[E]`` int64: assignments the dispatcher dropped (over capacity) per expert
+    dropped: torch.Tensor
 
 
-def load_balancing_loss(records: list[BalanceRecord], num_experts: int) -> torch.Tensor:
+def load_balancing_loss(stats: list[RoutingStats], num_experts: int, top_k: int) -> torch.Tensor:
     """Switch Transformer load-balancing loss over several layers, as Hugging Face computes it.
 
     ``E * sum_e f_e * P_e`` with ``f_e`` the assignments to expert e per token and ``P_e`` the
     mean router probability of e, both pooled over all layers' tokens (HF's
     ``load_balancing_loss_func`` without an attention mask). Perfect balance gives ``top_k``.
+    Assignments count the router's choices, dropped ones included.
     """
-    if not records:
-        raise ValueError("load_balancing_loss needs the routing records of at least one layer")
-    rows = sum(r.tokens for r in records)
-    assignments = torch.stack([r.assignments for r in records]).sum(0) / rows
-    probs = torch.stack([r.prob_sum for r in records]).sum(0) / rows
-    return num_experts * (assignments * probs).sum()
+    if not stats:
+        raise ValueError("load_balancing_loss needs the routing statistics of at least one layer")
+    probs = torch.stack([s.prob_sum for s in stats]).sum(0)
+    assignments = torch.stack([s.routed for s in stats]).sum(0).to(probs.dtype)
+    rows = assignments.sum() / top_k  # tokens over all layers: each has top_k assignments
+    return num_experts * ((assignments / rows) * (probs / rows)).sum()
 
 
 class MoE(nn.Module):
-    """Token-choice top-k MoE (Qwen3-MoE): softmax router, renormalized top-k, SwiGLU experts."""
+    """Token-choice top-k MoE (Qwen3-MoE): softmax router, renormalized top-k, SwiGLU experts.
+
+    ``forward(x)`` returns ``(output, RoutingStats)``.
+    """
 
     def __init__(
         self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
@@ -220,8 +258,6 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.experts.active_fraction = top_k / num_experts
         self.dispatcher: Dispatcher = LocalDispatcher()
-        #: routing statistics of the last forward (read by the foundation's aux_losses)
-        self.balance: BalanceRecord | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router probabilities ``[N, E]`` (at least float32), top-k weights and indices ``[N, k]``."""
@@ -232,21 +268,18 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights, indices
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         probs, weights, indices = self.route(x)
-        with torch.no_grad():
-            flat = indices.reshape(-1)
-            assignments = torch.zeros(self.num_experts, device=x.device, dtype=probs.dtype)
-            assignments.scatter_add_(0, flat, torch.ones_like(flat, dtype=probs.dtype))
-        self.balance = BalanceRecord(assignments, probs.sum(dim=0), x.shape[0])
         order, counts = sort_by_expert(indices, self.num_experts)
         x_local, counts_local, state = self.dispatcher.dispatch(
             gather_sorted(x, order, self.top_k), counts
         )
         y_sorted = self.dispatcher.combine(self.experts(x_local, counts_local), state)
-        return combine(y_sorted, order, weights).to(x.dtype).reshape(shape)
+        out = combine(y_sorted, order, weights).to(x.dtype).reshape(shape)
+        dropped = self.dispatcher.dropped(counts, order.numel())
+        return out, RoutingStats(probs.sum(dim=0), counts, dropped)
 
     def init_weights(self, std: float, out_std: float | None = None) -> None:
         """Router and experts: truncated normal (``out_std`` for the experts' ``w2``)."""

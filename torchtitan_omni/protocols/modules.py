@@ -63,6 +63,12 @@ class Foundation(nn.Module, ABC):
         """
         return {}
 
+    def moe_counts(self) -> torch.Tensor | None:
+        """Routing counts of the last forward for the trainer's logs, or None (no experts):
+        ``[2, MoE layers, experts]`` int64, the router's assignments per expert (row 0) and the
+        assignments dropped over capacity (row 1), on the device."""
+        return None
+
     @abstractmethod
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialize parameters and buffers in place."""

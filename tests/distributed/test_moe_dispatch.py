@@ -1,0 +1,170 @@
+"""Expert dispatch layer by layer on 4 gloo ranks against one process (float32): EP4 and EP2
+(a 2 x 2 mesh), exact (capacity factor 0) and capacity-padded, with a rank whose tokens all
+choose one expert, a rank that sends nothing to half the experts and a rank without tokens.
+Outputs and input, router and expert gradients within 1e-5; routed and dropped copies exactly
+equal to the single-process layer applying the same rule to each rank's tokens; and the
+capacity-padded EP4 layer compiled as one graph (fullgraph=True) against eager. And the
+trainer's reduction of the routing counts (loads over the EP group, drops over all ranks)."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+
+from tests.harness import run_distributed
+
+E, K, D, H = 8, 2, 16, 12
+#: tokens per rank the capacity is sized for: C = ceil(1.0 x 8 x 2 / 8) = 2 slots
+TOKENS = 8
+#: tokens of each rank's batch (rank 3 has none)
+SIZES = (12, 10, 9, 0)
+RTOL = 1e-5
+
+
+def _layer():
+    import torch
+
+    from torchtitan_omni.modules.init import init_context
+    from torchtitan_omni.modules.moe import MoE
+
+    moe = MoE(D, H, E, K)
+    with init_context(moe, seed=3):
+        moe.init_weights(0.3, 0.3)
+    with torch.no_grad():  # router logits = 4 x the first E features: routing set by the input
+        moe.gate.weight.zero_()
+        moe.gate.weight[:, :E] = 4 * torch.eye(E)
+    return moe
+
+
+def _inputs(rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(SIZES[rank], D, generator=g)
+    if rank == 0:
+        x[:, 0] = 3.0  # every token's first choice is expert 0
+    if rank == 1:
+        x[:, 4:E] = -3.0  # experts 4-7 get nothing from this rank
+    return x.requires_grad_(), torch.randn(SIZES[rank], D, generator=g)
+
+
+def _error(a, b) -> float:
+    scale = max(float(b.abs().max()) if b.numel() else 0.0, 1e-6)
+    return float((a - b).abs().max()) / scale if b.numel() else 0.0
+
+
+def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False) -> dict:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_omni.distributed.expert_parallel import make_dispatcher, shard_experts
+    from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
+
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))["ep"]
+    group = mesh.get_group()
+    ref = _layer()
+    moe = copy.deepcopy(ref)
+    shard_experts(moe.experts, mesh)
+    moe.dispatcher = make_dispatcher(E, K, group, factor, TOKENS)
+    x, grad = _inputs(rank)
+    forward = torch.compile(moe, backend="aot_eager", fullgraph=True) if compiled else moe
+    out, stats = forward(x)
+    (out * grad).sum().backward()
+
+    # the same layer in one process, on every rank of this EP group in turn
+    if factor:
+        ref.dispatcher = CapacityDispatcher(E, K, factor, TOKENS)
+    members = dist.get_process_group_ranks(group)
+    total, mine = 0.0, None
+    for source in members:
+        xs, gs = _inputs(source)
+        o, st = ref(xs)
+        total = total + (o * gs).sum()
+        if source == rank:
+            mine = (o, st, xs)
+    total.backward()
+    ref_out, ref_stats, ref_x = mine
+    router = moe.gate.weight.grad.clone()
+    dist.all_reduce(router, group=group)  # the router is replicated: its gradients add up
+    local = E // ep
+    rows = slice(members.index(rank) * local, (members.index(rank) + 1) * local)
+    errors = {"out": _error(out, ref_out), "x": _error(x.grad, ref_x.grad),
+              "router": _error(router, ref.gate.weight.grad)}
+    for name in ("w1", "w2", "w3"):
+        errors[name] = _error(getattr(moe.experts, name).grad.to_local(),
+                              getattr(ref.experts, name).grad[rows])
+    return {"errors": errors, "dispatcher": type(moe.dispatcher).__name__,
+            "routed": stats.routed.tolist(), "ref_routed": ref_stats.routed.tolist(),
+            "dropped": stats.dropped.tolist(), "ref_dropped": ref_stats.dropped.tolist()}
+
+
+CASES = {
+    "ep4_exact": (4, 0.0, False),
+    "ep4_capacity": (4, 1.0, False),
+    "ep2_exact": (2, 0.0, False),
+    "ep2_capacity": (2, 1.0, False),
+    "ep4_capacity_compiled": (4, 1.0, True),
+}
+
+
+def _counts_case(rank: int, world: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_omni.distributed.utils import reduce_moe_counts
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    counts = torch.arange(2 * 3 * 4).view(2, 3, 4) * (rank + 1)
+    loads, totals = reduce_moe_counts(counts, mesh["ep"], mesh)
+    return {"loads": loads.tolist(), "totals": totals.tolist()}
+
+
+def _all_cases(rank, world):
+    results = {"counts": _counts_case(rank, world)}
+    for name, (ep, factor, compiled) in CASES.items():
+        try:
+            results[name] = _case(rank, world, ep, factor, compiled)
+        except Exception:  # every rank raises alike, so the collectives stay matched
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_all_cases, 4, timeout=600)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_dispatch_matches_one_process(results, name):
+    ep, factor, _ = CASES[name]
+    for rank, res in enumerate(results):
+        out = res[name]
+        assert "error" not in out, f"rank {rank}: {out.get('error')}"
+        bad = {k: v for k, v in out["errors"].items() if v > RTOL}
+        assert not bad, f"rank {rank}: {bad}"
+        assert out["routed"] == out["ref_routed"] and out["dropped"] == out["ref_dropped"], out
+        expected = "CapacityExpertParallelDispatcher" if factor else "ExpertParallelDispatcher"
+        assert out["dispatcher"] == expected
+    routed = [res[name]["routed"] for res in results]
+    assert routed[0][0] == SIZES[0], "rank 0's tokens must all choose expert 0"
+    assert sum(routed[1][4:]) == 0, "rank 1 must send nothing to experts 4-7"
+    dropped = [sum(res[name]["dropped"]) for res in results]
+    if factor:
+        # C = 2 slots per (rank, expert): rank 0 drops at least 10 of its 12 copies for expert 0
+        assert results[0][name]["dropped"][0] == SIZES[0] - 2, dropped
+    else:
+        assert dropped == [0, 0, 0, 0]
+
+
+def test_routing_counts_reduction(results):
+    import torch
+
+    base = torch.arange(2 * 3 * 4).view(2, 3, 4)
+    for rank, res in enumerate(results):
+        group = (1 + 2) if rank < 2 else (3 + 4)  # sum of (rank + 1) over the EP group
+        assert res["counts"]["loads"] == (base[0] * group).tolist()
+        assert res["counts"]["totals"] == (base.sum(-1) * (1 + 2 + 3 + 4)).tolist()
