@@ -44,7 +44,7 @@ def test_moe_field_of_step_lines():
     assert row["dropped_pct"] == 0.52
     assert "| m | 1.84 | 0.52% |" in bench.table([row], "test")
     names = [p.name for p in bench.PLANS["moe_dispatch_4gpu"]]
-    assert "moe_30B-A3B_12L_8k_ep4_cap1.25_compile" in names
+    assert "moe_12L_8k_4gpu_cap1.25_compile" in names
 
 
 def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
