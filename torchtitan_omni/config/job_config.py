@@ -38,6 +38,17 @@ class Parallelism:
     docs/parallelism.md."""
 
 
+@dataclass
+class Model:
+    """TorchTitan's ``[model]`` plus where a model's encoders and decoders come from."""
+
+    parts_flavor: str = ""
+    """A flavor of the spec whose encoders and decoders the model takes (their args; weights
+    still come from weights.sources), e.g. "debugmodel" for tiny parts around a real LLM with
+    model.flavor = "hf". Empty: the flavor's own (for "hf": the spec's full-size parts, each
+    encoder shaped by its weights.sources folder's config.json where one is given)."""
+
+
 AUTO_WORKERS = -1
 
 
@@ -207,6 +218,7 @@ class Generate:
 class JobConfig:
     """The sections torchtitan-omni adds or extends."""
 
+    model: Model = field(default_factory=Model)
     parallelism: Parallelism = field(default_factory=Parallelism)
     training: Training = field(default_factory=Training)
     omni: Omni = field(default_factory=Omni)

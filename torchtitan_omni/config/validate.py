@@ -138,7 +138,7 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
             f"(flavors: {', '.join(spec.model_args)})"
         )
     _validate_data(cfg, spec)
-    args = spec.model_args[cfg.model.flavor]
+    args = _job_args(spec, cfg)
     from torchtitan_omni.protocols.model import llm_layers_problem
 
     llm_args = getattr(args, "llm_args", None)
@@ -155,6 +155,26 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
         if problem:
             raise ConfigError(problem)
     _validate_plan(spec, args, degrees["ulysses_degree"], cfg.parallelism.expert_parallel_degree)
+
+
+def _job_args(spec, cfg: JobConfig):
+    """The flavor's args; for flavor "hf" or a ``model.parts_flavor``, shaped by the job
+    (``config.json`` files read, a copy updated) so every check sees the real model."""
+    import copy
+
+    from torchtitan_omni.errors import OmniInputError
+
+    args = spec.model_args[cfg.model.flavor]
+    if not (getattr(args, "from_hf", False) or cfg.model.parts_flavor):
+        return args
+    args = copy.deepcopy(args)
+    try:
+        args.update_from_config(cfg)
+    except OmniInputError as e:
+        raise ConfigError(str(e)) from None
+    except ValueError as e:  # e.g. a tokenizer larger than the checkpoint's vocabulary
+        raise ConfigError(str(e)) from None
+    return args
 
 
 def _validate_plan(spec, args, ulysses_degree: int, ep_degree: int) -> None:
