@@ -137,6 +137,18 @@ def test_added_tokens_grow_the_embedding_and_head(tmp_path, caplog):
         _assert_close(got[:, :v], hf(input_ids=doc[None]).logits[0], "old tokens")
 
 
+def test_tokenizer_comes_from_the_llm_folder_unless_overridden(tmp_path):
+    """Flavor hf reads the LLM folder's tokenizer; the bundled tokenizer's folder (every shipped
+    TOML's model.hf_assets_path) is no override, any other folder is."""
+    from torchtitan_omni.data.tokenizer import tokenizer_folder
+
+    make_folder("qwen3", tmp_path / "qwen3")
+    assert tokenizer_folder(_config("qwen3_omni", tmp_path / "qwen3")) == str(tmp_path / "qwen3")
+    other = str(REPO / "tests" / "assets" / "tokenizer")
+    cfg = _config("qwen3_omni", tmp_path / "qwen3", "--model.hf_assets_path", other)
+    assert tokenizer_folder(cfg) == other
+
+
 def _one_line_error(*args) -> str:
     with pytest.raises(ConfigError) as e:
         parse_job_config(list(args))
@@ -155,6 +167,12 @@ def test_bad_folders_are_refused_on_one_line(tmp_path):
     empty.mkdir()
     msg = _one_line_error(*base, "--weights.sources", f"llm={empty}")
     assert "has no config.json" in msg and str(empty) in msg
+
+    no_tokenizer = tmp_path / "no_tokenizer"
+    make_folder("llama", no_tokenizer)
+    os.remove(no_tokenizer / "tokenizer.json")
+    msg = _one_line_error(*base, "--weights.sources", f"llm={no_tokenizer}")
+    assert f"no tokenizer.json in {no_tokenizer}" in msg
 
     qwen = tmp_path / "qwen"
     qwen.mkdir()

@@ -32,22 +32,28 @@ def weight_sources(job_config) -> dict[str, str]:
 
 
 def apply_parts_flavor(args, job_config) -> None:
-    """Copy the encoders' and decoders' args from ``model.parts_flavor`` (if set)."""
+    """Set the encoders' and decoders' args to ``model.parts_flavor``'s, or to the flavor's
+    own when it is empty. The own ones are remembered on first use: TorchTitan's trainer
+    updates the registered (shared) args in place, and a later job must not inherit parts."""
+    own = getattr(args, "_own_parts", None)
+    if own is None:
+        own = {f: copy.deepcopy(getattr(args, f)) for f in args.part_fields()}
+        args._own_parts = own
     name = getattr(job_config.model, "parts_flavor", "")
-    if not name or name == job_config.model.flavor:
-        return
-    from torchtitan.protocols.train_spec import get_train_spec
+    if name and name != job_config.model.flavor:
+        from torchtitan.protocols.train_spec import get_train_spec
 
-    import torchtitan_omni.models  # noqa: F401  (registers the specs)
+        import torchtitan_omni.models  # noqa: F401  (registers the specs)
 
-    flavors = get_train_spec(job_config.model.name).model_args
-    if name == HF_FLAVOR or name not in flavors:
-        choices = ", ".join(f for f in flavors if f != HF_FLAVOR)
-        raise ConfigError(f"model.parts_flavor {name!r} is not a flavor of "
-                          f"{job_config.model.name} with its own parts (flavors: {choices})")
-    source = flavors[name]
-    for field in args.part_fields():
-        setattr(args, field, copy.deepcopy(getattr(source, field)))
+        flavors = get_train_spec(job_config.model.name).model_args
+        if name == HF_FLAVOR or name not in flavors:
+            choices = ", ".join(f for f in flavors if f != HF_FLAVOR)
+            raise ConfigError(f"model.parts_flavor {name!r} is not a flavor of "
+                              f"{job_config.model.name} with its own parts (flavors: {choices})")
+        source = flavors[name]
+        own = getattr(source, "_own_parts", None) or {f: getattr(source, f) for f in own}
+    for field, value in own.items():
+        setattr(args, field, copy.deepcopy(value))
 
 
 def apply_hf_flavor(args, job_config) -> None:

@@ -174,6 +174,15 @@ def _job_args(spec, cfg: JobConfig):
         raise ConfigError(str(e)) from None
     except ValueError as e:  # e.g. a tokenizer larger than the checkpoint's vocabulary
         raise ConfigError(str(e)) from None
+    if args.from_hf:
+        from torchtitan_omni.data.tokenizer import tokenizer_folder
+
+        folder = tokenizer_folder(cfg)
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            raise ConfigError(
+                f"no tokenizer.json in {folder}: model.flavor = 'hf' takes the tokenizer from "
+                "the LLM's weights.sources folder, or from model.hf_assets_path when that names "
+                "another folder than the bundled tokenizer's")
     return args
 
 
