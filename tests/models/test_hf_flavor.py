@@ -149,6 +149,24 @@ def test_tokenizer_comes_from_the_llm_folder_unless_overridden(tmp_path):
     assert tokenizer_folder(cfg) == other
 
 
+def test_parts_flavor_is_undone_for_the_next_job(tmp_path):
+    """The trainer updates the registered args in place: one job's debugmodel parts do not
+    stay for a later job in the same process that asks for the flavor's own."""
+    import copy
+
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import torchtitan_omni.models  # noqa: F401  (registers the specs)
+
+    make_folder("qwen3", tmp_path / "qwen3")
+    args = copy.deepcopy(get_train_spec("qwen3_omni").model_args["hf"])
+    full = args.vision.dim
+    args.update_from_config(_config("qwen3_omni", tmp_path / "qwen3"))  # debug TOML: tiny parts
+    assert args.vision.dim == 64 != full
+    args.update_from_config(_config("qwen3_omni", tmp_path / "qwen3", "--model.parts_flavor", ""))
+    assert args.vision.dim == full
+
+
 def _one_line_error(*args) -> str:
     with pytest.raises(ConfigError) as e:
         parse_job_config(list(args))

@@ -31,28 +31,37 @@ def weight_sources(job_config) -> dict[str, str]:
     return {s.part: s.path for s in parse_sources(list(job_config.weights.sources))}
 
 
+def _remember_own_parts(args) -> None:
+    # TorchTitan's trainer updates the registered (shared) args in place: before a job puts
+    # other parts there, keep the flavor's own so that a later job gets them back
+    if getattr(args, "_own_parts", None) is None:
+        args._own_parts = {f: copy.deepcopy(getattr(args, f)) for f in args.part_fields()}
+
+
 def apply_parts_flavor(args, job_config) -> None:
-    """Set the encoders' and decoders' args to ``model.parts_flavor``'s, or to the flavor's
-    own when it is empty. The own ones are remembered on first use: TorchTitan's trainer
-    updates the registered (shared) args in place, and a later job must not inherit parts."""
-    own = getattr(args, "_own_parts", None)
-    if own is None:
-        own = {f: copy.deepcopy(getattr(args, f)) for f in args.part_fields()}
-        args._own_parts = own
+    """Set the encoders' and decoders' args to ``model.parts_flavor``'s; without one, undo
+    what an earlier job in this process put there (``parts_flavor``, encoder configs)."""
     name = getattr(job_config.model, "parts_flavor", "")
-    if name and name != job_config.model.flavor:
-        from torchtitan.protocols.train_spec import get_train_spec
+    if not name or name == job_config.model.flavor:
+        own = getattr(args, "_own_parts", None)
+        if own is not None:
+            for field, value in own.items():
+                setattr(args, field, copy.deepcopy(value))
+            args._own_parts = None
+        return
+    from torchtitan.protocols.train_spec import get_train_spec
 
-        import torchtitan_omni.models  # noqa: F401  (registers the specs)
+    import torchtitan_omni.models  # noqa: F401  (registers the specs)
 
-        flavors = get_train_spec(job_config.model.name).model_args
-        if name == HF_FLAVOR or name not in flavors:
-            choices = ", ".join(f for f in flavors if f != HF_FLAVOR)
-            raise ConfigError(f"model.parts_flavor {name!r} is not a flavor of "
-                              f"{job_config.model.name} with its own parts (flavors: {choices})")
-        source = flavors[name]
-        own = getattr(source, "_own_parts", None) or {f: getattr(source, f) for f in own}
-    for field, value in own.items():
+    flavors = get_train_spec(job_config.model.name).model_args
+    if name == HF_FLAVOR or name not in flavors:
+        choices = ", ".join(f for f in flavors if f != HF_FLAVOR)
+        raise ConfigError(f"model.parts_flavor {name!r} is not a flavor of "
+                          f"{job_config.model.name} with its own parts (flavors: {choices})")
+    _remember_own_parts(args)
+    source = flavors[name]
+    parts = getattr(source, "_own_parts", None) or {f: getattr(source, f) for f in args._own_parts}
+    for field, value in parts.items():
         setattr(args, field, copy.deepcopy(value))
 
 
@@ -81,6 +90,7 @@ def apply_hf_flavor(args, job_config) -> None:
         if not os.path.isfile(os.path.join(folder, CONFIG_FILE)):
             continue  # a DCP checkpoint of our own model: same args
         where = os.path.join(folder, CONFIG_FILE)
+        _remember_own_parts(args)
         setattr(args, name, encoder_args(getattr(args, name), read_hf_config(folder, part), where))
         log_once(f"{part} of {spec} from {where}: {getattr(args, name)}")
 
