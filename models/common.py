@@ -9,13 +9,20 @@ from torchtitan_omni.protocols.plan import PartLayout
 #: ``output`` are called directly by ``OmniModel`` (not through the foundation's forward), so
 #: they must be units of their own
 LLM_FSDP_UNITS = ("tok_embeddings", "layers.*", "output")
+#: a head tied to the embedding shares its parameter: the two are one FSDP unit (a group),
+#: gathered from the embedding lookup to the head's loss
+LLM_TIED_GROUPS = (("tok_embeddings", "output"),)
 LLM_AC_UNITS = ("layers.*",)
 LLM_ATTENTION = "llm.layers.*.attention"
 MOE_EXPERTS = "llm.layers.*.moe.experts"
 
 
-def llm_part() -> PartLayout:
-    """The foundation: embeddings, each layer and the head as FSDP units; layers checkpointed."""
+def llm_part(tied: bool = False) -> PartLayout:
+    """The foundation: embeddings, each layer and the head as FSDP units (embedding and head as
+    one unit when ``tied``); layers checkpointed."""
+    if tied:
+        return PartLayout("llm", fsdp_units=("layers.*",), ac_units=LLM_AC_UNITS,
+                          fsdp_groups=LLM_TIED_GROUPS)
     return PartLayout("llm", fsdp_units=LLM_FSDP_UNITS, ac_units=LLM_AC_UNITS)
 
 

@@ -5,8 +5,8 @@ DCP -> HF (one process, no GPU; memory about one output shard)::
     python scripts/convert_checkpoint.py dcp-to-hf --config train_configs/llama_omni_8b.toml \\
         --checkpoint outputs/llama_omni/checkpoint [--parts llm] [--dtype bfloat16] --out exported/
 
-writes ``exported/llm`` (``LlamaForCausalLM`` naming, ``config.json``, the tokenizer files of
-``model.hf_assets_path``; loadable by ``AutoModelForCausalLM.from_pretrained``) and one folder
+writes ``exported/llm`` (``LlamaForCausalLM`` naming, ``config.json``, the job's tokenizer files
+with any omni tokens it gained; loadable by ``AutoModelForCausalLM.from_pretrained``) and one folder
 per encoder and decoder (``exported/encoders.vision``, ...) in its adapter's naming.
 ``--checkpoint`` is a ``step-N`` folder or a checkpoint folder (its newest complete step).
 
@@ -46,6 +46,18 @@ from torchtitan_omni.checkpoint.model_build import (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _export_tokenizer(cfg, target: str) -> list[str]:
+    """The job's tokenizer files next to the exported LLM, tokenizer.json with the omni tokens
+    it gained in training (the export's embedding has their rows)."""
+    from torchtitan_omni.data.tokenizer import save_with_omni_tokens, tokenizer_folder
+
+    folder = tokenizer_folder(cfg)
+    copied = copy_tokenizer(folder, target)
+    if "tokenizer.json" in copied and save_with_omni_tokens(folder, target):
+        copied[copied.index("tokenizer.json")] = "tokenizer.json (with the omni tokens added)"
+    return copied
+
+
 def dcp_to_hf(config: str, overrides: list[str], checkpoint: str, out: str,
               parts: list[str] | None = None, dtype: str | None = None,
               max_shard_size: str = "5GB") -> dict[str, str]:
@@ -64,7 +76,7 @@ def dcp_to_hf(config: str, overrides: list[str], checkpoint: str, out: str,
         target = os.path.join(out, part)
         report = export_part(model, part, available[part], folder, target,
                              DTYPES[dtype] if dtype else None, max_shard_size)
-        extra = copy_tokenizer(cfg.model.hf_assets_path, target) if part == "llm" else []
+        extra = _export_tokenizer(cfg, target) if part == "llm" else []
         if report.extras:
             extra.append(f"{report.extras} tensors without a Hugging Face name in {EXTRA_FILE}")
         print(f"{part}: {report.tensors} tensors, {report.bytes / 2**20:.1f} MiB in "

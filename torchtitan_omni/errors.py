@@ -17,3 +17,8 @@ class CheckpointFormatError(OmniInputError, ValueError):
 
 class DataFileError(OmniInputError, ValueError):
     """A data file that cannot be read at all (unreadable, truncated, not the format it claims)."""
+
+
+class HFConfigError(OmniInputError, ValueError):
+    """A Hugging Face ``config.json`` that is missing or describes a model this code cannot
+    build (``model.flavor = "hf"``)."""

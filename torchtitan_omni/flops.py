@@ -55,6 +55,9 @@ def active_llm_params(model: nn.Module) -> float:
                 total += p.numel() * float(fraction)
     embedding = getattr(llm, "tok_embeddings", None)
     skip = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    # a head tied to the embedding is a matrix product all the same: it counts
+    head = getattr(llm, "output", None)
+    skip -= {id(p) for p in head.parameters()} if head is not None else set()
     for p in llm.parameters():
         if id(p) not in seen and id(p) not in skip:
             total += p.numel()

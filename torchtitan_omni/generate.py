@@ -74,13 +74,12 @@ class Generator:
     @classmethod
     def from_config(cls, cfg: JobConfig, checkpoint: str | None = None) -> "Generator":
         """Build the job's model on ``local_device()`` and load its newest checkpoint."""
-        from torchtitan_omni.checkpoint.model_build import model_on_meta, train_spec_of
+        from torchtitan_omni.checkpoint.model_build import job_model_args, model_on_meta
         from torchtitan_omni.checkpoint.weights import load_part_from_dcp
 
         device = local_device()
         tokenizer = build_omni_tokenizer(cfg)
-        spec = train_spec_of(cfg)
-        processors = build_processors(dict(spec.model_args[cfg.model.flavor].processing()))
+        processors = build_processors(dict(job_model_args(cfg).processing()))
         model = model_on_meta(cfg)
         model.to_empty(device=device)
         model.init_seed = cfg.omni.init_seed

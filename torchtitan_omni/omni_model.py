@@ -216,6 +216,9 @@ class OmniModel(ModelProtocol):
     # ----------------------------------------------------------------- init
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Layout-invariant init of every part (see ``torchtitan_omni.modules.init``)."""
+        tie = getattr(self.llm, "tie_weights", None)
+        if callable(tie):
+            tie()  # before the parameters are named: one tensor, one name, on any layout
         with init_context(self, seed=self.init_seed):
             self.llm.init_weights(buffer_device)
             for enc in self.encoders.values():

@@ -8,10 +8,10 @@ from torchtitan.protocols.train_spec import register_train_spec
 from torchtitan_omni.spec import omni_train_spec
 
 from .args import FLAVORS, JanusArgs
-from .model import PLAN, JanusModel
+from .model import PLAN, JanusModel, parallel_plan
 
 NAME = "janus"
 
 register_train_spec(NAME, omni_train_spec(JanusModel, FLAVORS))
 
-__all__ = ["FLAVORS", "NAME", "PLAN", "JanusArgs", "JanusModel"]
+__all__ = ["FLAVORS", "NAME", "PLAN", "parallel_plan", "JanusArgs", "JanusModel"]

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 from torchtitan_omni.decoders.gen_image import GenImageArgs, GenImageDecoder
 from torchtitan_omni.encoders.siglip import SiglipArgs, SiglipEncoder
+from torchtitan_omni.foundations.hf_config import LLAMA
 from torchtitan_omni.foundations.llama3 import Llama3Args
-from torchtitan_omni.protocols.model import OmniModelArgs
+from torchtitan_omni.protocols.model import HF_FLAVOR, OmniModelArgs
 from torchtitan_omni.protocols.modules import OmniDecoder, OmniEncoder
 
 
@@ -23,6 +24,8 @@ def deepseek_llm_1_3b() -> Llama3Args:
 @dataclass
 class JanusArgs(OmniModelArgs):
     """Foundation, understanding encoder and generation decoder of ``janus`` (defaults: 1.3B)."""
+
+    hf_foundations = (LLAMA,)
 
     llm: Llama3Args = field(default_factory=deepseek_llm_1_3b)
     vision: SiglipArgs = field(default_factory=SiglipArgs.janus)
@@ -48,4 +51,7 @@ FLAVORS = {
     ),
     # Janus-1.3B: SigLIP-L/16 @ 384 (576 tokens), VQ-16 with 16384 codes (576 image tokens).
     "1.3B": JanusArgs(),
+    # Flavor hf: the LLM from weights.sources llm=<folder>/config.json (LlamaForCausalLM), the
+    # parts of 1.3B (or of model.parts_flavor), the vision tower from its own folder's config.
+    HF_FLAVOR: JanusArgs(from_hf=True),
 }

@@ -8,14 +8,17 @@ from dataclasses import dataclass, field
 from torchtitan_omni.decoders.gen_image import GenImageArgs, GenImageDecoder
 from torchtitan_omni.encoders.audio import AudioArgs, AudioEncoder
 from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder
+from torchtitan_omni.foundations.hf_config import LLAMA
 from torchtitan_omni.foundations.llama3 import Llama3Args
-from torchtitan_omni.protocols.model import OmniModelArgs
+from torchtitan_omni.protocols.model import HF_FLAVOR, OmniModelArgs
 from torchtitan_omni.protocols.modules import OmniDecoder, OmniEncoder
 
 
 @dataclass
 class LlamaOmniArgs(OmniModelArgs):
     """Foundation, encoders and decoder of ``llama_omni`` (defaults: the 8B flavor)."""
+
+    hf_foundations = (LLAMA,)
 
     llm: Llama3Args = field(default_factory=Llama3Args)
     vision: VisionArgs = field(default_factory=VisionArgs)
@@ -48,4 +51,7 @@ FLAVORS = {
     # Llama-3.1-8B (same weights shape as Llama-3-8B; RoPE with the 3.1 long-context scaling),
     # Qwen2-VL-7B's vision tower, Whisper-large-v3's encoder, Janus-Pro's VQ-16 generation.
     "8B": LlamaOmniArgs(),
+    # Flavor hf: the LLM from weights.sources llm=<folder>/config.json (LlamaForCausalLM: Llama
+    # 2, 3, 3.1, 3.2), the parts of 8B (or of model.parts_flavor), encoders from their folders.
+    HF_FLAVOR: LlamaOmniArgs(from_hf=True),
 }

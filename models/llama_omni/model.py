@@ -12,20 +12,27 @@ from torchtitan_omni.protocols.plan import OmniParallelPlan
 from ..common import LLM_ATTENTION, decoder_parts, encoder_part, frozen_fp32_modules, llm_part
 from .args import LlamaOmniArgs
 
-PLAN = OmniParallelPlan(
-    parts=(
-        llm_part(),
-        encoder_part("vision", VisionEncoder),
-        encoder_part("audio", AudioEncoder),
-        *decoder_parts("gen_image", GenImageDecoder),
-    ),
-    sequence_parallel_attention=(LLM_ATTENTION,),
-    fp32_modules=frozen_fp32_modules("gen_image", GenImageDecoder),
-)
+
+def parallel_plan(tied: bool = False) -> OmniParallelPlan:
+    """The plan; ``tied``: the LLM's head is its embedding (one FSDP unit for both)."""
+    return OmniParallelPlan(
+        parts=(
+            llm_part(tied),
+            encoder_part("vision", VisionEncoder),
+            encoder_part("audio", AudioEncoder),
+            *decoder_parts("gen_image", GenImageDecoder),
+        ),
+        sequence_parallel_attention=(LLM_ATTENTION,),
+        fp32_modules=frozen_fp32_modules("gen_image", GenImageDecoder),
+    )
+
+
+PLAN = parallel_plan()
 
 
 class LlamaOmniModel(OmniModel):
     """Llama-3 with vision (images, video) and audio encoders and an image decoder."""
 
     def __init__(self, args: LlamaOmniArgs) -> None:
-        super().__init__(Llama3(args.llm), args.build_encoders(), args.build_decoders(), PLAN)
+        super().__init__(Llama3(args.llm), args.build_encoders(), args.build_decoders(),
+                         parallel_plan(args.llm.tie_word_embeddings))

@@ -7,14 +7,17 @@ from dataclasses import dataclass, field
 
 from torchtitan_omni.encoders.audio import AudioArgs, AudioEncoder
 from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder
+from torchtitan_omni.foundations.hf_config import QWEN3_MOE
 from torchtitan_omni.foundations.qwen3_moe import Qwen3MoeArgs
-from torchtitan_omni.protocols.model import OmniModelArgs
+from torchtitan_omni.protocols.model import HF_FLAVOR, OmniModelArgs
 from torchtitan_omni.protocols.modules import OmniEncoder
 
 
 @dataclass
 class Qwen3MoeOmniArgs(OmniModelArgs):
     """Foundation and encoders of ``qwen3_moe_omni`` (defaults: the 30B-A3B flavor)."""
+
+    hf_foundations = (QWEN3_MOE,)
 
     llm: Qwen3MoeArgs = field(default_factory=Qwen3MoeArgs)
     vision: VisionArgs = field(default_factory=VisionArgs)
@@ -39,4 +42,7 @@ FLAVORS = {
     # Qwen3-30B-A3B (48 layers, 128 experts top-8), Qwen2-VL-7B's vision tower,
     # Whisper-large-v3's encoder.
     "30B-A3B": Qwen3MoeOmniArgs(),
+    # Flavor hf: the LLM from weights.sources llm=<folder>/config.json (Qwen3MoeForCausalLM),
+    # the parts of 30B-A3B (or of model.parts_flavor), encoders from their folders.
+    HF_FLAVOR: Qwen3MoeOmniArgs(from_hf=True),
 }

@@ -7,14 +7,17 @@ from dataclasses import dataclass, field
 
 from torchtitan_omni.encoders.audio import AudioArgs, AudioEncoder
 from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder
+from torchtitan_omni.foundations.hf_config import QWEN3
 from torchtitan_omni.foundations.qwen3 import Qwen3Args
-from torchtitan_omni.protocols.model import OmniModelArgs
+from torchtitan_omni.protocols.model import HF_FLAVOR, OmniModelArgs
 from torchtitan_omni.protocols.modules import OmniEncoder
 
 
 @dataclass
 class Qwen3OmniArgs(OmniModelArgs):
     """Foundation and encoders of ``qwen3_omni`` (defaults: the 8B flavor)."""
+
+    hf_foundations = (QWEN3,)
 
     llm: Qwen3Args = field(default_factory=Qwen3Args)
     vision: VisionArgs = field(default_factory=VisionArgs)
@@ -44,4 +47,7 @@ FLAVORS = {
     # Qwen3-8B (36 layers, 4096, 32/8 heads of 128, FFN 12288, untied head), Qwen2-VL-7B's
     # vision tower, Whisper-large-v3's encoder.
     "8B": Qwen3OmniArgs(),
+    # Flavor hf: the LLM from weights.sources llm=<folder>/config.json (Qwen3ForCausalLM), the
+    # parts of 8B (or of model.parts_flavor), encoders from their folders.
+    HF_FLAVOR: Qwen3OmniArgs(from_hf=True),
 }

@@ -11,18 +11,25 @@ from torchtitan_omni.protocols.plan import OmniParallelPlan
 from ..common import LLM_ATTENTION, encoder_part, llm_part
 from .args import Qwen3OmniArgs
 
-PLAN = OmniParallelPlan(
-    parts=(
-        llm_part(),
-        encoder_part("vision", VisionEncoder),
-        encoder_part("audio", AudioEncoder),
-    ),
-    sequence_parallel_attention=(LLM_ATTENTION,),
-)
+
+def parallel_plan(tied: bool = False) -> OmniParallelPlan:
+    """The plan; ``tied``: the LLM's head is its embedding (one FSDP unit for both)."""
+    return OmniParallelPlan(
+        parts=(
+            llm_part(tied),
+            encoder_part("vision", VisionEncoder),
+            encoder_part("audio", AudioEncoder),
+        ),
+        sequence_parallel_attention=(LLM_ATTENTION,),
+    )
+
+
+PLAN = parallel_plan()
 
 
 class Qwen3OmniModel(OmniModel):
     """Qwen3 dense with vision (images, video) and audio encoders."""
 
     def __init__(self, args: Qwen3OmniArgs) -> None:
-        super().__init__(Qwen3(args.llm), args.build_encoders(), args.build_decoders(), PLAN)
+        super().__init__(Qwen3(args.llm), args.build_encoders(), args.build_decoders(),
+                         parallel_plan(args.llm.tie_word_embeddings))

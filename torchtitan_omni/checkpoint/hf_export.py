@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torchtitan.tools.logging import logger
 
 from torchtitan_omni.checkpoint.completion import publish, step_dir, tmp_dir
-from torchtitan_omni.checkpoint.parts import state_tensors, top_level_parts
+from torchtitan_omni.checkpoint.parts import state_tensors, tied_aliases, top_level_parts
 from torchtitan_omni.checkpoint.hf_loader import init_only_patterns
 from torchtitan_omni.checkpoint.safetensors_folder import (
     EXTRA_FILE, INDEX_FILE, SINGLE_FILE, CheckpointFormatError,
@@ -87,9 +87,10 @@ def _unmapped(part: str, names: dict[str, torch.Tensor], adapter: HFAdapter) -> 
     our names to ``EXTRA_FILE``); any other gap is an error."""
     sources = adapter.sources()
     init_only = init_only_patterns(adapter)
+    tied = tied_aliases(names, sources)  # a tied head is written as the embedding
     extras, lost = [], []
     for n in names:
-        if n not in sources:
+        if n not in sources and n not in tied:
             (extras if any(fnmatch.fnmatchcase(n, p) for p in init_only) else lost).append(n)
     unknown = [n for n in sources if n not in names]
     if lost or unknown:
@@ -124,6 +125,8 @@ def export_part(model: nn.Module, part: str, adapter: HFAdapter, checkpoint: str
     tensors = state_tensors(model.get_submodule(part))
     sources = adapter.sources()
     extras = _unmapped(part, tensors, adapter)
+    for alias in tied_aliases(tensors, sources):
+        del tensors[alias]
     saved = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     problems = []
     for name, t in tensors.items():

@@ -13,6 +13,11 @@ Then each rank reads only its own block of each tensor (``torchtitan_omni.checkp
 .sharding``): rows of an FSDP shard, the local experts of an expert-parallel stack (one HF key
 per local expert; other experts' keys are never opened), everything for a replicated tensor.
 Blocks are converted to the parameter's dtype and copied into the local shard in place.
+
+A tied tensor (the head that is the embedding) is loaded once, through the name that has a
+source. An embedding-shaped source with ``hf_rows`` / ``mean_rows`` (a vocabulary grown by added
+tokens) loads the rows the checkpoint has, and the added tokens' rows get the mean of the
+tokenizer's own rows, which a rank owning some of them computes by reading those rows in chunks.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from torchtitan_omni.checkpoint.parts import resolve_part, state_tensors
+from torchtitan_omni.checkpoint.parts import resolve_part, state_tensors, tied_aliases
 from torchtitan_omni.checkpoint.safetensors_folder import (
     EXTRA_FILE, CheckpointFormatError, SafetensorsFolder,
 )
@@ -32,6 +37,8 @@ from torchtitan_omni.checkpoint.sharding import local_runs, local_shape, local_t
 from torchtitan_omni.protocols.hf import HFAdapter, HFSource
 
 _MAX_LISTED = 25
+#: rows read at a time when averaging an embedding (bounds the host memory of the mean)
+_MEAN_CHUNK_ROWS = 8192
 
 
 @dataclass
@@ -44,11 +51,17 @@ class LoadReport:
     checkpoint_bytes: int = 0  # size of the HF tensors the part uses, whole
     bytes_read: int = 0  # what this rank read of them
     kept_init: list[str] = field(default_factory=list)  # init_only tensors left as they were
+    #: tensors whose added-token rows were set to a mean: name -> (start, stop)
+    mean_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def expected_hf_shape(shape: tuple[int, ...], source: HFSource) -> tuple[int, ...]:
     """Shape of each HF tensor of ``source`` for one of our tensors of ``shape``."""
     dims = list(shape)
+    if source.hf_rows is not None:
+        if source.stack_dim is not None or source.transpose or not dims:
+            raise CheckpointFormatError("hf_rows needs a single, untransposed Hugging Face tensor")
+        dims[0] = source.hf_rows
     if source.stack_dim is not None:
         dims.pop(source.stack_dim % len(shape))
     if source.transpose:
@@ -84,8 +97,9 @@ def check_part(
     problems: list[str] = []
     unsourced: list[str] = []
     where = folder.folder
+    tied = tied_aliases(tensors, sources)
     for name, t in tensors.items():
-        if name in sources:
+        if name in sources or name in tied:
             continue
         if any(fnmatch.fnmatchcase(name, pat) for pat in init_only):
             unsourced.append(name)
@@ -166,9 +180,53 @@ def _read_block(folder: SafetensorsFolder, source: HFSource, tensor: torch.Tenso
     return torch.stack(pieces, dim=s)
 
 
+def _row_mean(folder: SafetensorsFolder, key: str, rows: int, col_runs: list) -> torch.Tensor:
+    """Mean of HF rows ``[0, rows)`` of ``key`` (this rank's columns), in float64."""
+    total = None
+    for start in range(0, rows, _MEAN_CHUNK_ROWS):
+        chunk = folder.read(key, [[(start, min(rows, start + _MEAN_CHUNK_ROWS))], *col_runs])
+        part = chunk.double().sum(0)
+        total = part if total is None else total + part
+    return total / rows
+
+
+@torch.no_grad()
+def load_vocab_tensor(folder: SafetensorsFolder, name: str, source: HFSource,
+                      tensor: torch.Tensor) -> int:
+    """Load an embedding-shaped tensor whose checkpoint has fewer rows (``hf_rows``) or some
+    of whose rows belong to added tokens (``mean_rows``: set to the mean of the rows before
+    them, the tokenizer's own tokens). Returns bytes read."""
+    runs = local_runs(tensor)
+    local = local_tensor(tensor)
+    hf_rows = source.hf_rows if source.hf_rows is not None else tensor.shape[0]
+    start, stop = source.mean_rows or (hf_rows, hf_rows)
+    rows = torch.tensor([i for a, b in runs[0] for i in range(a, b)], dtype=torch.long)
+    new = (rows >= start) & (rows < stop)
+    if bool(((rows >= hf_rows) & ~new).any()):
+        raise CheckpointFormatError(
+            f"{name}: rows {hf_rows}..{tensor.shape[0] - 1} are neither in {folder.folder} nor "
+            f"added tokens ({start}..{stop - 1})")
+    read = [(a, min(b, hf_rows)) for a, b in runs[0] if a < hf_rows]
+    nbytes = 0
+    if read:
+        block = folder.read(source.keys[0], [read, *runs[1:]])
+        # local rows are sorted, so the checkpoint's rows are a prefix of them
+        local[: block.shape[0]].copy_(block)
+        nbytes += block.numel() * block.element_size()
+    if bool(new.any()):
+        if start < 1:
+            raise CheckpointFormatError(f"{name}: no rows to average for the added tokens")
+        mean = _row_mean(folder, source.keys[0], start, runs[1:])
+        local[new.nonzero().squeeze(1)] = mean.to(local.dtype).expand(int(new.sum()), -1)
+        nbytes += start * mean.numel() * folder.info(source.keys[0]).torch_dtype.itemsize
+    return nbytes
+
+
 @torch.no_grad()
 def load_tensor(folder: SafetensorsFolder, name: str, source: HFSource, tensor: torch.Tensor) -> int:
     """Copy this rank's block of ``tensor`` from the folder; returns bytes read."""
+    if source.hf_rows is not None or source.mean_rows is not None:
+        return load_vocab_tensor(folder, name, source, tensor)
     block = _read_block(folder, source, tensor)
     local = local_tensor(tensor)
     if tuple(block.shape) != tuple(local.shape):
@@ -207,6 +265,8 @@ def load_part_from_hf(model: nn.Module, part: str, path: str) -> LoadReport:
                 current = file
             report.bytes_read += load_tensor(folder, f"{part}.{name}", source, tensors[name])
             report.tensors += 1
+            if source.mean_rows is not None:
+                report.mean_rows[name] = source.mean_rows
         report.checkpoint_bytes = sum(_nbytes(folder, k) for k in {k for _, s in plan for k in s.keys})
     report.kept_init = _load_extras(part, path, {n: tensors[n] for n in unsourced}, report)
     return report

@@ -34,11 +34,19 @@ def train_spec_of(cfg: JobConfig):
     return get_train_spec(cfg.model.name)
 
 
+def job_model_args(cfg: JobConfig):
+    """The flavor's model args updated for the job (a copy; the registered ones stay)."""
+    args = copy.deepcopy(train_spec_of(cfg).model_args[cfg.model.flavor])
+    update = getattr(args, "update_from_config", None)
+    if callable(update):
+        update(cfg)
+    return args
+
+
 def model_on_meta(cfg: JobConfig) -> nn.Module:
     """The job's model on the meta device (names, shapes and adapters; no memory)."""
     spec = train_spec_of(cfg)
-    args = copy.deepcopy(spec.model_args[cfg.model.flavor])
-    args.update_from_config(cfg)
+    args = job_model_args(cfg)
     with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[cfg.training.dtype]):
         return spec.model_cls(args)
 

@@ -57,3 +57,11 @@ def resolve_part(model: nn.Module, part: str) -> nn.Module:
             f"(parts: {', '.join(top_level_parts(model))})"
         )
     return module
+
+
+def tied_aliases(tensors: dict[str, torch.Tensor], sourced) -> dict[str, str]:
+    """Names in ``tensors`` that are the very tensor of a name in ``sourced`` (a tied head is
+    the embedding): alias -> the sourced name. They are loaded and saved through that name."""
+    owner = {id(tensors[n]): n for n in sourced if n in tensors}
+    return {name: owner[id(t)] for name, t in tensors.items()
+            if name not in sourced and id(t) in owner}

@@ -127,6 +127,9 @@ def load_initial_weights(model: nn.Module, entries: list[str]) -> list[LoadRepor
             f"({report.checkpoint_bytes / 2**20:.1f} MiB in full{read}) in "
             f"{time.monotonic() - begin:.1f}s"
         )
+        for name, (start, stop) in report.mean_rows.items():
+            logger.info(f"{src.part}.{name}: rows {start}..{stop - 1} (added tokens) start as "
+                        f"the mean of rows 0..{start - 1}")
         if report.kept_init:
             shown = ", ".join(report.kept_init[:6]) + (" ..." if len(report.kept_init) > 6 else "")
             logger.info(f"{src.part}: {len(report.kept_init)} tensors have no counterpart in "

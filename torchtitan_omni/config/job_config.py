@@ -47,6 +47,17 @@ class Parallelism:
     (moe/dropped_tokens). See docs/parallelism.md."""
 
 
+@dataclass
+class Model:
+    """TorchTitan's ``[model]`` plus where a model's encoders and decoders come from."""
+
+    parts_flavor: str = ""
+    """A flavor of the spec whose encoders and decoders the model takes (their args; weights
+    still come from weights.sources), e.g. "debugmodel" for tiny parts around a real LLM with
+    model.flavor = "hf". Empty: the flavor's own (for "hf": the spec's full-size parts, each
+    encoder shaped by its weights.sources folder's config.json where one is given)."""
+
+
 AUTO_WORKERS = -1
 
 
@@ -228,6 +239,7 @@ class Validation:
 class JobConfig:
     """The sections torchtitan-omni adds or extends."""
 
+    model: Model = field(default_factory=Model)
     parallelism: Parallelism = field(default_factory=Parallelism)
     training: Training = field(default_factory=Training)
     omni: Omni = field(default_factory=Omni)

@@ -145,7 +145,7 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
             f"(flavors: {', '.join(spec.model_args)})"
         )
     _validate_data(cfg, spec)
-    args = spec.model_args[cfg.model.flavor]
+    args = _job_args(spec, cfg)
     from torchtitan_omni.protocols.model import llm_layers_problem
 
     llm_args = getattr(args, "llm_args", None)
@@ -163,6 +163,35 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
             raise ConfigError(problem)
     _validate_plan(spec, args, degrees["ulysses_degree"], cfg.parallelism.expert_parallel_degree,
                    cfg.parallelism.expert_capacity_factor)
+
+
+def _job_args(spec, cfg: JobConfig):
+    """The flavor's args; for flavor "hf" or a ``model.parts_flavor``, shaped by the job
+    (``config.json`` files read, a copy updated) so every check sees the real model."""
+    import copy
+
+    from torchtitan_omni.errors import OmniInputError
+
+    args = spec.model_args[cfg.model.flavor]
+    if not (getattr(args, "from_hf", False) or cfg.model.parts_flavor):
+        return args
+    args = copy.deepcopy(args)
+    try:
+        args.update_from_config(cfg)
+    except OmniInputError as e:
+        raise ConfigError(str(e)) from None
+    except ValueError as e:  # e.g. a tokenizer larger than the checkpoint's vocabulary
+        raise ConfigError(str(e)) from None
+    if args.from_hf:
+        from torchtitan_omni.data.tokenizer import tokenizer_folder
+
+        folder = tokenizer_folder(cfg)
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            raise ConfigError(
+                f"no tokenizer.json in {folder}: model.flavor = 'hf' takes the tokenizer from "
+                "the LLM's weights.sources folder, or from model.hf_assets_path when that names "
+                "another folder than the bundled tokenizer's")
+    return args
 
 
 def _validate_plan(spec, args, ulysses_degree: int, ep_degree: int,

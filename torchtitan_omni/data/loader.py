@@ -162,9 +162,11 @@ def dataset_root(job_config) -> str:
 
 def model_processing(job_config) -> dict[str, Any]:
     """The model's processing config per modality, limited to ``data.modalities``."""
-    from torchtitan.protocols.train_spec import get_train_spec
+    from torchtitan_omni.checkpoint.model_build import job_model_args
 
-    args = get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+    # the job's args: flavor "hf" and model.parts_flavor change the encoders (TorchTitan's
+    # trainer builds the data loader before it updates the registered args)
+    args = job_model_args(job_config)
     configs = dict(args.processing()) if hasattr(args, "processing") else {}
     return {m: c for m, c in configs.items() if m in job_config.data.modalities}
 

@@ -9,9 +9,14 @@
 - a Llama-3 tokenizer keeps its vocabulary: bos/eos/end-of-turn/pad map onto its native
   tokens (``special_tokens.LLAMA3_NATIVE``) and every other omni token onto the lowest free
   ``<|reserved_special_token_K|>``, in ``special_tokens.ORDER``;
-- any other tokenizer lacking them is refused with the list of missing tokens (growing the
-  vocabulary here would disagree with the model's embedding size, which is read from
-  ``tokenizer.json``).
+- any other tokenizer gets the omni tokens it cannot map as new special tokens, with ids after
+  its last one (``add_omni_tokens``); the model args see the same tokens
+  (``tokenizer_layout``) and grow the embedding and head to hold them.
+
+``tokenizer_folder(job_config)`` says where ``tokenizer.json`` is: ``model.hf_assets_path``, or
+with ``model.flavor = "hf"`` the LLM's ``weights.sources`` folder unless ``hf_assets_path``
+names another folder than the bundled tokenizer's (``./assets/tokenizer``) or TorchTitan's
+default.
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from tokenizers import AddedToken, Tokenizer
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.tools.logging import logger
 
 from torchtitan_omni.data import special_tokens as st
 from torchtitan_omni.protocols.batch import MODALITIES
+from torchtitan_omni.protocols.model import HF_FLAVOR
 
 _RESERVED = re.compile(r"^<\|reserved_special_token_(\d+)\|>$")
 
@@ -51,8 +59,13 @@ class SpecialTokenIds:
         return self.media[modality]
 
 
-def resolve_special_tokens(vocab: dict[str, int], where: str = "the tokenizer") -> SpecialTokenIds:
-    """Map every omni special token onto a token of ``vocab`` (see the module docstring)."""
+#: folders of ``model.hf_assets_path`` that name no tokenizer of the user's: the bundled
+#: tokenizer's (every shipped TOML) and TorchTitan's default
+DEFAULT_TOKENIZER_DIRS = ("assets/tokenizer", "tests/assets/tokenizer")
+
+
+def _map_special_tokens(vocab: dict[str, int]) -> tuple[dict[str, str], list[str]]:
+    """Omni token -> the token of ``vocab`` it maps onto, and the omni tokens left unmapped."""
     reserved = sorted(
         (int(m.group(1)), tok) for tok in vocab if (m := _RESERVED.match(tok))
     )
@@ -76,6 +89,12 @@ def resolve_special_tokens(vocab: dict[str, int], where: str = "the tokenizer") 
             used.add(mapping[name])
         else:
             missing.append(name)
+    return mapping, missing
+
+
+def resolve_special_tokens(vocab: dict[str, int], where: str = "the tokenizer") -> SpecialTokenIds:
+    """Map every omni special token onto a token of ``vocab`` (see the module docstring)."""
+    mapping, missing = _map_special_tokens(vocab)
     if missing:
         raise ValueError(
             f"{where} lacks the omni special tokens {', '.join(missing)} and has no reserved "
@@ -94,11 +113,79 @@ def resolve_special_tokens(vocab: dict[str, int], where: str = "the tokenizer") 
     )
 
 
+@dataclass(frozen=True)
+class TokenizerLayout:
+    """A tokenizer's ids: its own tokens ``[0, base_size)``, then the omni tokens it lacked."""
+
+    base_size: int
+    added: tuple[str, ...] = ()
+
+    @property
+    def size(self) -> int:
+        """Ids in use once the omni tokens are added."""
+        return self.base_size + len(self.added)
+
+
+def add_omni_tokens(tokenizer: Tokenizer) -> TokenizerLayout:
+    """Add the omni special tokens ``tokenizer`` cannot map (no such token, no native or free
+    reserved one) as special tokens with the next ids, in ``special_tokens.ORDER``."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    base = max(vocab.values()) + 1 if vocab else 0
+    _, missing = _map_special_tokens(vocab)
+    if missing:
+        tokenizer.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in missing])
+        ids = [tokenizer.token_to_id(t) for t in missing]
+        if ids != list(range(base, base + len(missing))):
+            raise ValueError(f"adding the omni special tokens gave ids {ids}, expected "
+                             f"{base}..{base + len(missing) - 1}")
+    return TokenizerLayout(base, tuple(missing))
+
+
+def tokenizer_layout(folder: str) -> TokenizerLayout | None:
+    """The ids of the tokenizer in ``folder`` with the omni tokens added (None: no
+    ``tokenizer.json`` there)."""
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    return add_omni_tokens(Tokenizer.from_file(path))
+
+
+def save_with_omni_tokens(folder: str, out: str) -> bool:
+    """Write ``folder``'s tokenizer.json with the omni tokens it lacked into ``out`` (an export
+    whose embedding has their rows); False when it lacked none (nothing written)."""
+    tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    if not add_omni_tokens(tokenizer).added:
+        return False
+    tokenizer.save(os.path.join(out, "tokenizer.json"))
+    return True
+
+
+def tokenizer_folder(job_config) -> str:
+    """The folder of the job's ``tokenizer.json`` (see the module docstring)."""
+    path = job_config.model.hf_assets_path
+    if getattr(job_config.model, "flavor", None) != HF_FLAVOR:
+        return path
+    chosen = os.path.normpath(path) if path else None
+    if chosen and chosen not in DEFAULT_TOKENIZER_DIRS:
+        return path
+    for entry in job_config.weights.sources:
+        part, _, folder = entry.partition("=")
+        if part.strip() == "llm":
+            return os.path.expanduser(folder.strip())
+    return path
+
+
 class OmniTokenizer(HuggingFaceTokenizer):
-    """A ``tokenizer.json`` tokenizer with the omni special tokens resolved (``special``)."""
+    """A ``tokenizer.json`` tokenizer with the omni special tokens resolved (``special``),
+    those it lacked added (``layout``)."""
 
     def __init__(self, tokenizer_path: str) -> None:
         super().__init__(tokenizer_path)
+        self.layout = add_omni_tokens(self.tokenizer)
+        if self.layout.added:
+            logger.info(f"Tokenizer {tokenizer_path}: added {len(self.layout.added)} omni "
+                        f"special tokens as ids {self.layout.base_size}..{self.layout.size - 1}")
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         self.special = resolve_special_tokens(vocab, os.path.join(tokenizer_path, "tokenizer.json"))
         self.bos_id, self.eos_id = self.special.bos, self.special.eos
@@ -117,7 +204,7 @@ class OmniTokenizer(HuggingFaceTokenizer):
 
 
 def build_omni_tokenizer(job_config) -> OmniTokenizer:
-    """The job's tokenizer from ``model.hf_assets_path`` (TorchTitan's ``build_tokenizer_fn``).
+    """The job's tokenizer from :func:`tokenizer_folder` (TorchTitan's ``build_tokenizer_fn``).
 
     When ``training.dataset`` is ``omni_default``, ``data.build_if_missing`` is set and the
     folder has no ``tokenizer.json``, the bundled dataset and tokenizer are built first (once,
@@ -125,9 +212,14 @@ def build_omni_tokenizer(job_config) -> OmniTokenizer:
     """
     from torchtitan_omni.data.default_dataset import maybe_build_default
 
-    path = job_config.model.hf_assets_path
+    path = tokenizer_folder(job_config)
     maybe_build_default(job_config)
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        if path != job_config.model.hf_assets_path:
+            raise FileNotFoundError(
+                f"no tokenizer.json in {path!r} (the LLM's weights.sources folder, where "
+                "model.flavor = 'hf' takes the tokenizer from); put it there or point "
+                "model.hf_assets_path at a folder with one")
         raise FileNotFoundError(
             f"no tokenizer.json in model.hf_assets_path={path!r}; point it at a folder with a "
             "Hugging Face tokenizer.json, or train on training.dataset='omni_default' to build "

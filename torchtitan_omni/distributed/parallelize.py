@@ -12,8 +12,9 @@ Order (each step reads the spec's ``OmniParallelPlan``):
    ``torchtitan_omni.distributed.compile``); blocks that break the graph are compiled before
    step 4, so their checkpoint wraps the compiled pieces (not under per-op selective AC); then
    activation offload of the LLM's blocks (``omni.activation_offload``);
-6. FSDP2: experts over the expert mesh, then each part's units and the part over the part's
-   mesh, then the root. Every reduction is a plain sum (the loss is already divided by the
+6. FSDP2: experts over the expert mesh, then each part's groups (modules sharing a
+   parameter, one ``fully_shard`` of a list), units and the part over the part's mesh, then
+   the root. Every reduction is a plain sum (the loss is already divided by the
    global target count; gloo has no AVG/PREMUL_SUM).
 
 The model arrives on the meta device and leaves sharded, still on meta; the trainer then
@@ -165,10 +166,11 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
     # host memory; each unit's parameters come to the GPU for its forward and backward only
     offload = CPUOffloadPolicy() if job_config.training.enable_cpu_offload else OffloadPolicy()
 
-    def shard(module: nn.Module, mesh, **kwargs) -> None:
-        if isinstance(module, FSDPModule):
+    def shard(module: nn.Module | list[nn.Module], mesh, **kwargs) -> None:
+        group = module if isinstance(module, list) else [module]
+        if any(isinstance(m, FSDPModule) for m in group):
             return  # already a unit (e.g. an fp32 module that is also listed as a unit)
-        policy = _fp32_policy(mp) if any(module is m for _, m in fp32) else mp
+        policy = _fp32_policy(mp) if any(m is f for m in group for _, f in fp32) else mp
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard,
                     offload_policy=offload, **kwargs)
 
@@ -191,6 +193,10 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
         for name, module in fp32:
             if name == part.root or name.startswith(prefix):
                 shard(module, mesh)
+        for patterns in part.fsdp_groups:
+            members = [m for _, m in matching_modules(model, part.root, patterns)]
+            if members:
+                shard(members, mesh)
         for _, module in matching_modules(model, part.root, part.fsdp_units):
             shard(module, mesh)
         shard(root, mesh)

@@ -2,14 +2,17 @@
 
 ``PreNormBlock``: ``x + attention(norm(x))`` then ``x + ffn(norm(x))``, with TorchTitan's
 depth-scaled init of the output projections. ``DecoderLM``: token embedding, blocks, final
-RMSNorm and the untied text head (a ``LinearHead``: logits, or the summed loss computed chunk by
-chunk), RoPE tables shared by every block. A foundation supplies its
-args and a block factory (Llama-3: SwiGLU blocks; Qwen3-MoE: q/k-normed attention + MoE).
+RMSNorm and the text head (a ``LinearHead``: logits, or the summed loss computed chunk by
+chunk), RoPE tables shared by every block. The head is its own weight, or, with
+``tie_word_embeddings``, the embedding's (one parameter, as Llama-3.2-1B/3B and Qwen3-0.6B-4B
+ship it). A foundation supplies its args (a ``DecoderLMArgs``) and a block factory (Llama-3:
+SwiGLU blocks; Qwen3-MoE: q/k-normed attention + MoE).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -18,6 +21,21 @@ from torchtitan_omni.modules import init
 from torchtitan_omni.modules.linear_cross_entropy import LinearHead
 from torchtitan_omni.modules.rope import RotaryEmbedding
 from torchtitan_omni.protocols.modules import AttentionMeta, Foundation
+
+
+@dataclass
+class DecoderLMArgs:
+    """What every foundation's args share besides their shape: the head's tie to the embedding
+    and how the vocabulary relates to the Hugging Face checkpoint it loads."""
+
+    #: the text head is the token embedding's weight (one parameter; no ``lm_head.weight``)
+    tie_word_embeddings: bool = False
+    #: rows of the embedding (and head) in the Hugging Face checkpoint when fewer than
+    #: ``vocab_size`` (tokens were added); None: ``vocab_size``
+    hf_vocab_size: int | None = None
+    #: ``[start, stop)``: rows of the tokens added to the tokenizer (the omni special tokens it
+    #: lacked); loading a Hugging Face checkpoint sets them to the mean of rows ``[0, start)``
+    added_token_rows: tuple[int, int] | None = None
 
 
 class PreNormBlock(nn.Module):
@@ -52,7 +70,8 @@ class PreNormBlock(nn.Module):
 
 
 class DecoderLM(Foundation):
-    """Token embedding, ``args.n_layers`` blocks, final RMSNorm and the text head."""
+    """Token embedding, ``args.n_layers`` blocks, final RMSNorm and the text head (tied to the
+    embedding when ``args.tie_word_embeddings``)."""
 
     def __init__(self, args, make_block: Callable[[int, RotaryEmbedding], nn.Module],
                  rope_scaling=None) -> None:
@@ -65,6 +84,18 @@ class DecoderLM(Foundation):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # head(hidden, targets) gives the summed loss without keeping every logit
         self.output = LinearHead(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    @property
+    def tied(self) -> bool:
+        """Whether the text head is the token embedding's weight."""
+        return bool(getattr(self.args, "tie_word_embeddings", False))
+
+    def tie_weights(self) -> None:
+        """Make the head use the embedding's weight (tied models). ``to_empty`` without FSDP
+        gives each module its own tensor, so ``OmniModel.init_weights`` ties again."""
+        if self.tied and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, h: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         for layer in self.layers.values():
@@ -73,9 +104,12 @@ class DecoderLM(Foundation):
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         self.rope.init_weights(buffer_device)
-        init.normal_(self.tok_embeddings.weight, std=1.0)
+        if not self.tied:
+            init.normal_(self.tok_embeddings.weight, std=1.0)
         for layer in self.layers.values():
             layer.init_weights()
         init.ones_(self.norm.weight)
+        # A tied weight takes the head's init: unit-variance rows would make the first logits
+        # sqrt(dim) large, while the blocks' RMSNorm rescales a small embedding anyway.
         cutoff = 3 * self.args.dim**-0.5
         init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)

@@ -10,7 +10,11 @@
   ``Linear`` weight is ``[out, in]``, as is each expert slice of ours.
 
 Our RoPE uses HF's ``rotate_half`` layout, so q/k projections load without permutation.
-Tensor names are relative to the foundation (e.g. ``layers.0.attention.wq.weight``).
+Tensor names are relative to the foundation (e.g. ``layers.0.attention.wq.weight``). A tied
+head (``tie_word_embeddings``) has no source of its own: it is the embedding, and checkpoints
+of tied models have no ``lm_head.weight`` (one that has it anyway is ignored). When the
+tokenizer gained tokens, the embedding and head sources say how many rows the checkpoint has
+and which rows start as the mean (``HFSource.hf_rows``, ``mean_rows``).
 """
 
 from __future__ import annotations
@@ -50,13 +54,20 @@ class _DecoderLMHFAdapter(HFAdapter):
         in '.')."""
         raise NotImplementedError
 
+    def _vocab_source(self, key: str) -> HFSource:
+        """An embedding-shaped tensor: the checkpoint may have fewer rows than ours."""
+        a = self.args
+        rows = a.hf_vocab_size if a.hf_vocab_size not in (None, a.vocab_size) else None
+        return HFSource(keys=(key,), hf_rows=rows, mean_rows=a.added_token_rows)
+
     def sources(self) -> dict[str, HFSource]:
         a = self.args
         out = {
-            "tok_embeddings.weight": _one("model.embed_tokens.weight"),
+            "tok_embeddings.weight": self._vocab_source("model.embed_tokens.weight"),
             "norm.weight": _one("model.norm.weight"),
-            "output.weight": _one("lm_head.weight"),
         }
+        if not a.tie_word_embeddings:
+            out["output.weight"] = self._vocab_source("lm_head.weight")
         for i in range(a.n_layers):
             ours, hf = f"layers.{i}.", f"model.layers.{i}."
             out[f"{ours}attention_norm.weight"] = _one(f"{hf}input_layernorm.weight")
@@ -67,7 +78,9 @@ class _DecoderLMHFAdapter(HFAdapter):
         return out
 
     def ignored_hf_keys(self) -> tuple[str, ...]:
-        return ("model.layers.*.self_attn.rotary_emb.inv_freq",)
+        # a tied checkpoint saved with its head anyway holds a copy of the embedding
+        tied = ("lm_head.weight",) if self.args.tie_word_embeddings else ()
+        return ("model.layers.*.self_attn.rotary_emb.inv_freq",) + tied
 
 
 def _swiglu_sources(ours: str, hf: str) -> dict[str, HFSource]:
@@ -111,13 +124,13 @@ class Llama3HFAdapter(_DecoderLMHFAdapter):
             "attention_bias": a.attention_bias,
             "mlp_bias": False,
             "hidden_act": "silu",
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": a.tie_word_embeddings,
             "torch_dtype": "bfloat16",
         }
 
 
 class Qwen3HFAdapter(_DecoderLMHFAdapter):
-    """``Qwen3`` <-> ``Qwen3ForCausalLM`` (untied head)."""
+    """``Qwen3`` <-> ``Qwen3ForCausalLM``."""
 
     qk_norm = True
 
@@ -147,7 +160,7 @@ class Qwen3HFAdapter(_DecoderLMHFAdapter):
             "sliding_window": None,
             "max_window_layers": a.n_layers,
             "hidden_act": "silu",
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": a.tie_word_embeddings,
             "torch_dtype": "bfloat16",
         }
 
@@ -189,7 +202,7 @@ class Qwen3MoeHFAdapter(_DecoderLMHFAdapter):
             "max_position_embeddings": a.max_seq_len,
             "attention_bias": a.attention_bias,
             "hidden_act": "silu",
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": a.tie_word_embeddings,
             "router_aux_loss_coef": 0.001,
             "output_router_logits": False,
             "torch_dtype": "bfloat16",

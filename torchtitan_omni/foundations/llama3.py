@@ -15,11 +15,11 @@ import torch.nn as nn
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.modules.mlp import SwiGLU
 from torchtitan_omni.modules.rope import RopeScaling, RotaryEmbedding
-from torchtitan_omni.foundations.decoder import DecoderLM, PreNormBlock
+from torchtitan_omni.foundations.decoder import DecoderLM, DecoderLMArgs, PreNormBlock
 
 
 @dataclass
-class Llama3Args:
+class Llama3Args(DecoderLMArgs):
     """Llama-3 hyper-parameters (defaults: Llama-3.1-8B)."""
 
     dim: int = 4096

@@ -2,23 +2,23 @@
 
 Every layer: pre-norm GQA attention with per-head q/k RMSNorm (before RoPE), an explicit
 ``head_dim`` (q/k/v widths need not equal the model width), no q/k/v bias and RoPE theta 1e6
-without scaling; then a SwiGLU feed-forward, as in Llama. Untied text head (Qwen3-8B, 14B,
-32B; 0.6B-4B tie theirs to the embedding, which ``DecoderLM`` does not). Weight names map
-onto Hugging Face ``Qwen3ForCausalLM`` through ``torchtitan_omni.foundations.hf_adapters``.
+without scaling; then a SwiGLU feed-forward, as in Llama. Untied text head in Qwen3-8B, 14B
+and 32B; 0.6B-4B tie it to the embedding (``tie_word_embeddings``). Weight names map onto
+Hugging Face ``Qwen3ForCausalLM`` through ``torchtitan_omni.foundations.hf_adapters``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan_omni.foundations.decoder import DecoderLM, PreNormBlock
+from torchtitan_omni.foundations.decoder import DecoderLM, DecoderLMArgs, PreNormBlock
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.modules.mlp import SwiGLU
 from torchtitan_omni.modules.rope import RotaryEmbedding
 
 
 @dataclass
-class Qwen3Args:
+class Qwen3Args(DecoderLMArgs):
     """Qwen3 dense hyper-parameters (defaults: Qwen3-8B's config.json)."""
 
     dim: int = 4096
@@ -53,7 +53,7 @@ class Qwen3Block(PreNormBlock):
 
 
 class Qwen3(DecoderLM):
-    """Token embedding, Qwen3 blocks, final RMSNorm and the untied text head."""
+    """Token embedding, Qwen3 blocks, final RMSNorm and the text head."""
 
     def __init__(self, args: Qwen3Args) -> None:
         super().__init__(args, lambda i, rope: Qwen3Block(i, args, rope))

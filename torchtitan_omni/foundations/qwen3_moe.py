@@ -2,7 +2,8 @@
 
 Every layer: pre-norm GQA attention with per-head q/k RMSNorm and RoPE (theta 1e6, no
 scaling), then a token-choice MoE (``torchtitan_omni.modules.moe``: softmax router, top-k
-renormalized, grouped SwiGLU experts). Untied text head. Weight names map onto Hugging Face
+renormalized, grouped SwiGLU experts). Untied text head in the released checkpoints (a tied
+one is supported). Weight names map onto Hugging Face
 ``Qwen3MoeForCausalLM`` checkpoints through ``torchtitan_omni.foundations.hf_adapters``.
 
 Each block returns ``(hidden, RoutingStats)``; the foundation's (eager) forward keeps the
@@ -23,14 +24,14 @@ from torch.distributed.tensor import DTensor
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.modules.moe import MoE, RoutingStats, load_balancing_loss
 from torchtitan_omni.modules.rope import RotaryEmbedding
-from torchtitan_omni.foundations.decoder import DecoderLM, PreNormBlock
+from torchtitan_omni.foundations.decoder import DecoderLM, DecoderLMArgs, PreNormBlock
 from torchtitan_omni.protocols.modules import AttentionMeta
 
 AUX_LOSS = "moe_aux"
 
 
 @dataclass
-class Qwen3MoeArgs:
+class Qwen3MoeArgs(DecoderLMArgs):
     """Qwen3-MoE hyper-parameters (defaults: Qwen3-30B-A3B)."""
 
     dim: int = 2048
@@ -84,7 +85,7 @@ class Qwen3MoeBlock(PreNormBlock):
 
 
 class Qwen3Moe(DecoderLM):
-    """Token embedding, Qwen3-MoE blocks, final RMSNorm and the untied text head."""
+    """Token embedding, Qwen3-MoE blocks, final RMSNorm and the text head."""
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__(args, lambda i, rope: Qwen3MoeBlock(i, args, rope))

@@ -23,6 +23,12 @@ class HFSource:
     stack_dim: int | None = None
     #: each HF tensor (2-D) is the transpose of its slice of ours
     transpose: bool = False
+    #: dim-0 size of the HF tensor when it has fewer rows than ours (a vocabulary grown by
+    #: added tokens); None: the same as ours
+    hf_rows: int | None = None
+    #: ``[start, stop)``: our rows that loading sets to the mean of the HF rows ``[0, start)``
+    #: (embeddings of added tokens); the exporter writes every row as it is
+    mean_rows: tuple[int, int] | None = None
 
 
 class HFAdapter(ABC):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
+import dataclasses
 from abc import abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -14,16 +14,8 @@ from torchtitan.config import JobConfig
 from torchtitan.protocols.model import BaseModelArgs
 
 
-def tokenizer_vocab_size(hf_assets_path: str) -> int | None:
-    """Vocabulary size (regular + added tokens) of ``tokenizer.json`` in ``hf_assets_path``."""
-    path = os.path.join(hf_assets_path, "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        tok = json.load(f)
-    ids = set(tok.get("model", {}).get("vocab", {}).values())
-    ids.update(t["id"] for t in tok.get("added_tokens", []))
-    return max(ids) + 1 if ids else None
+#: the flavor every omni spec registers whose foundation comes from a Hugging Face config.json
+HF_FLAVOR = "hf"
 
 
 @dataclass
@@ -36,8 +28,15 @@ class OmniModelArgs(BaseModelArgs):
     """
 
     #: debug flavors size the vocabulary to the tokenizer in ``model.hf_assets_path``;
-    #: real flavors keep their Hugging Face vocabulary (the tokenizer must fit in it)
+    #: real flavors keep their Hugging Face vocabulary (the tokenizer must fit in it; omni
+    #: tokens it lacks grow the vocabulary)
     vocab_from_tokenizer: bool = False
+    #: the ``hf`` flavor: the foundation's args come from the ``config.json`` of the
+    #: ``weights.sources`` entry for ``llm`` (``torchtitan_omni.config.hf_flavor``)
+    from_hf: bool = False
+    #: Hugging Face architectures the foundation can be built from (``HFArchitecture``s of
+    #: ``torchtitan_omni.foundations.hf_config``); the spec decides
+    hf_foundations: ClassVar[tuple] = ()
 
     @property
     @abstractmethod
@@ -83,9 +82,21 @@ class OmniModelArgs(BaseModelArgs):
                     "this model's LLM has no experts")
         return expert_problem(num_experts or 0, expert_parallel_degree, "each MoE layer of the LLM")
 
+    def part_fields(self) -> list[str]:
+        """Names of the fields holding encoder and decoder args (all but the foundation's and
+        the base class's), which ``model.parts_flavor`` copies."""
+        own = {f.name for f in dataclasses.fields(OmniModelArgs)} | {"llm"}
+        return [f.name for f in dataclasses.fields(self) if f.name not in own
+                and getattr(self, f.name) is not self.llm_args]
+
     def update_from_config(self, job_config: JobConfig, **kwargs) -> None:
-        """Fit the sequence length (training and validation) and (debug flavors) the
-        vocabulary to the job."""
+        """Take the foundation's shape from Hugging Face (flavor ``hf``) and the parts from
+        ``model.parts_flavor``; fit the sequence length and the vocabulary to the job."""
+        from torchtitan_omni.config.hf_flavor import apply_hf_flavor, apply_parts_flavor
+
+        apply_parts_flavor(self, job_config)
+        if self.from_hf:
+            apply_hf_flavor(self, job_config)
         llm = self.llm_args
         llm.max_seq_len = max(llm.max_seq_len, job_config.training.seq_len)
         validation = getattr(job_config, "validation", None)
@@ -95,22 +106,47 @@ class OmniModelArgs(BaseModelArgs):
         problem = apply_llm_layers(llm, getattr(getattr(job_config, "omni", None), "llm_layers", 0))
         if problem:
             raise ValueError(problem)
-        vocab = tokenizer_vocab_size(job_config.model.hf_assets_path)
-        if vocab is None:
-            return
-        if self.vocab_from_tokenizer:
-            llm.vocab_size = vocab
-        elif vocab > llm.vocab_size:
-            raise ValueError(
-                f"the tokenizer in {job_config.model.hf_assets_path} has {vocab} tokens, more "
-                f"than the model's vocabulary ({llm.vocab_size})"
-            )
+        fit_vocabulary(self, job_config)
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Total parameters and training FLOPs per token at ``seq_len`` (see ``flops``)."""
         from torchtitan_omni.flops import nparams_and_flops_per_token
 
         return nparams_and_flops_per_token(self, model, seq_len)
+
+
+def fit_vocabulary(args: OmniModelArgs, job_config: JobConfig) -> None:
+    """Size the foundation's vocabulary for the job's tokenizer, omni tokens added: debug
+    flavors take its size; others keep the checkpoint's rows and grow when the added tokens
+    do not fit (``hf_vocab_size`` and ``added_token_rows`` tell the loader)."""
+    from torchtitan_omni.config.hf_flavor import log_once
+    from torchtitan_omni.data.tokenizer import tokenizer_folder, tokenizer_layout
+
+    folder = tokenizer_folder(job_config)
+    layout = tokenizer_layout(folder)
+    if layout is None:
+        return
+    llm = args.llm_args
+    if args.vocab_from_tokenizer:
+        llm.vocab_size = layout.size
+        return
+    rows = llm.hf_vocab_size or llm.vocab_size  # the checkpoint's (kept if called again)
+    if layout.base_size > rows:
+        raise ValueError(f"the tokenizer in {folder} has {layout.base_size} tokens, more than "
+                         f"the model's vocabulary ({rows})")
+    llm.vocab_size = max(rows, layout.size)
+    llm.hf_vocab_size = rows if layout.size > rows else None
+    llm.added_token_rows = (layout.base_size, layout.size) if layout.added else None
+    if not layout.added:
+        return
+    n = len(layout.added)
+    what = "embedding" if getattr(llm, "tie_word_embeddings", False) else "embedding and head"
+    if layout.size > rows:
+        log_once(f"Tokenizer {folder}: added {n} tokens, {what} resized {rows} -> "
+                 f"{layout.size}")
+    else:
+        log_once(f"Tokenizer {folder}: added {n} tokens as ids {layout.base_size}.."
+                 f"{layout.size - 1}, unused rows of the {rows}-row {what}")
 
 
 def flavor_layers(llm) -> int:

@@ -29,6 +29,11 @@ class PartLayout:
     mesh: MeshChoice = "fsdp"
     #: sub-modules (patterns relative to ``root``) that activation checkpointing may wrap
     ac_units: tuple[str, ...] = ()
+    #: groups of sub-modules (patterns relative to ``root``) wrapped together by one
+    #: ``fully_shard``, before ``fsdp_units``: modules sharing a parameter (a head tied to the
+    #: embedding) must be in one unit, which stays gathered from the first one's forward to
+    #: the last one's
+    fsdp_groups: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)
