@@ -77,29 +77,59 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _grouped_mm_usable(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+class ExpertGroups:
+    """Rows of a ``[M, in]`` input grouped by local expert: ``counts`` per expert, with the
+    host split sizes (loop path) and int32 end offsets (grouped GEMM) computed once and shared
+    by every projection of one forward."""
+
+    def __init__(self, counts: torch.Tensor, compute_dtype: torch.dtype | None = None) -> None:
+        self.counts = counts
+        #: bfloat16 under CUDA autocast (inputs and weights are cast), else None
+        self.compute_dtype = compute_dtype
+        self._splits: list[int] | None = None
+        self._offsets: torch.Tensor | None = None
+
+    @property
+    def splits(self) -> list[int]:
+        if self._splits is None:
+            self._splits = self.counts.tolist()  # syncs with the device (loop path only)
+        return self._splits
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        if self._offsets is None:
+            self._offsets = torch.cumsum(self.counts, dim=0, dtype=torch.int32)
+        return self._offsets
+
+
+def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     # grouped_mm wants bf16 and 16-byte aligned rows (multiples of 8 bf16 elements).
     return (
         x.is_cuda and hasattr(torch, "_grouped_mm")
-        and x.dtype == torch.bfloat16 and w1.dtype == torch.bfloat16
-        and x.shape[-1] % 8 == 0 and w1.shape[1] % 8 == 0 and w2.shape[1] % 8 == 0
+        and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+        and x.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
     )
 
 
-def _experts_grouped_mm(x, w1, w2, w3, counts) -> torch.Tensor:
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
-    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+def _grouped_linear_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
 
 
-def _experts_loop(x, w1, w2, w3, counts) -> torch.Tensor:
-    # counts.tolist() syncs with the device; this path is for CPU and odd shapes/dtypes.
-    outs = []
-    for e, xe in enumerate(torch.split(x, counts.tolist(), dim=0)):
-        h = F.silu(xe @ w1[e].transpose(0, 1)) * (xe @ w3[e].transpose(0, 1))
-        outs.append(h @ w2[e].transpose(0, 1))
-    return torch.cat(outs, dim=0) if outs else x.new_zeros(x.shape)
+def _grouped_linear_loop(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    outs = [xe @ w[e].transpose(0, 1) for e, xe in enumerate(torch.split(x, splits, dim=0))]
+    return torch.cat(outs, dim=0) if outs else x.new_zeros(x.shape[0], w.shape[-2])
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: ExpertGroups,
+                   use_grouped_mm: bool | None = None) -> torch.Tensor:
+    """``x[rows of e] @ w[e].T`` for every local expert e: ``x`` ``[M, in]`` sorted by expert,
+    ``w`` ``[E_local, out, in]`` -> ``[M, out]``. Grouped GEMM on CUDA bf16 (unless
+    ``use_grouped_mm`` is False), else the exact per-expert loop."""
+    if groups.compute_dtype is not None:
+        x, w = x.to(groups.compute_dtype), w.to(groups.compute_dtype)
+    if use_grouped_mm is not False and _grouped_mm_usable(x, w):
+        return _grouped_linear_mm(x, w, groups.offsets)
+    return _grouped_linear_loop(x, w, groups.splits)
 
 
 class GroupedExperts(nn.Module):
@@ -126,18 +156,24 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` ``[M, D]`` sorted by local expert, ``counts`` ``[local experts]`` -> ``[M, D]``."""
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        if counts.shape[0] != w1.shape[0]:
+        local = self.num_local_experts
+        if counts.shape[0] != local:
             raise ValueError(
                 f"GroupedExperts got token counts for {counts.shape[0]} experts but holds "
-                f"{w1.shape[0]} (local) experts"
+                f"{local} (local) experts"
             )
+        dtype = None
         if x.is_cuda and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16:
             # Without FSDP's mixed precision, TorchTitan autocasts; grouped_mm does not.
-            x, w1, w2, w3 = (t.to(torch.bfloat16) for t in (x, w1, w2, w3))
-        if self.use_grouped_mm is not False and _grouped_mm_usable(x, w1, w2):
-            return _experts_grouped_mm(x, w1, w2, w3, counts)
-        return _experts_loop(x, w1, w2, w3, counts)
+            dtype = torch.bfloat16
+        groups = ExpertGroups(counts, dtype)
+        h = F.silu(self.project(x, "w1", groups)) * self.project(x, "w3", groups)
+        return self.project(h, "w2", groups)
+
+    def project(self, x: torch.Tensor, which: str, groups: ExpertGroups) -> torch.Tensor:
+        """One of the three projections (``"w1"``, ``"w3"``: ``[M, D] -> [M, H]``; ``"w2"``:
+        ``[M, H] -> [M, D]``) of every row by its expert. Mixins (LoRA) extend it."""
+        return grouped_linear(x, _local(getattr(self, which)), groups, self.use_grouped_mm)
 
     def init_weights(self, std: float, out_std: float | None = None) -> None:
         """Truncated-normal experts (``out_std`` for the down projection ``w2``)."""
