@@ -86,7 +86,7 @@ def load_part_from_dcp(model: nn.Module, part: str, path: str) -> LoadReport:
     if not adapter_names(module) and any(is_adapter_key(k) for k in saved
                                          if k.startswith(part + ".")):
         raise CheckpointFormatError(
-            f"weights.sources {part}={path}: the checkpoint holds LoRA adapters, which this "
+            f"cannot load part {part!r} from {folder}: it holds LoRA adapters, which this "
             "model has none of (they would be dropped unmerged): enable the run's [lora], or "
             "export it merged (scripts/convert_checkpoint.py) and load that")
     base, kept = set(tensors), []
