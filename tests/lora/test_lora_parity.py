@@ -5,8 +5,8 @@ so that both adapter matrices get gradients.
 One spawn runs, each on a fresh model and mesh: FSDP2 (adapters on the LLM's attention and
 MLP and on an encoder, a module trained in full), expert parallel 2 with per-expert adapters,
 and async Ulysses SP2 with full activation checkpointing (adapters on ``wo`` too, so the
-runner takes its unfused output path). Frozen base weights get no gradient and no optimizer
-state; adapters do.
+runner takes its unfused output path). The adapters' init equals the single-process one;
+frozen base weights get no gradient and no optimizer state; adapters do.
 """
 
 from __future__ import annotations
@@ -32,13 +32,17 @@ def _layout(world, spec, dims_kw, cfg_kw, batches_fn):
     dims = C.make_dims(world, **dims_kw)
     cfg = C.job_config(**cfg_kw)
     model = C.parallel_model(spec, dims, cfg)
+    ref = lora_reference(spec, cfg)
+    # the layout-invariant init covers the adapters: A equal to the single-process draw
+    ref_params = dict(ref.named_parameters())
+    init_problems = [n for n, p in model.named_parameters() if n in adapter_names(model)
+                     and not torch.equal(p.full_tensor(), ref_params[n].detach())]
     drawn = perturb_adapters(model)
     ndp = dims.dp_replicate * dims.dp_shard
     dp = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
     batches = batches_fn(ndp)
     losses = C.parallel_step(model, dims, *batches[dp])
     grads = C.full_grads(model)
-    ref = lora_reference(spec, cfg)
     perturb_adapters(ref)
     ref_losses = C.reference_step(ref, batches)
     adapters = adapter_names(model)
@@ -52,7 +56,7 @@ def _layout(world, spec, dims_kw, cfg_kw, batches_fn):
         "loss_err": max(C.rel_error(losses[k], ref_losses[k]) for k in ref_losses),
         "losses": (losses, ref_losses),
         "grad_problems": C.compare(grads, ref, RTOL),
-        "adapters": len(adapters), "drawn": drawn,
+        "adapters": len(adapters), "drawn": drawn, "init_problems": init_problems,
         "adapter_grads": sum(1 for n in adapters if grads[n] is not None
                              and float(grads[n].abs().sum()) > 0),
         "frozen_with_grad": [n for n, g in grads.items() if g is not None and n not in trainable],
@@ -107,7 +111,7 @@ def _assert_parity(res, name):
         assert not out["grad_problems"], f"rank {r}: " + "; ".join(out["grad_problems"][:8])
         # every adapter got a real gradient, and nothing frozen got one or optimizer state
         assert out["adapters"] > 0 and out["adapter_grads"] == out["adapters"], out
-        assert out["drawn"] * 2 == out["adapters"]
+        assert out["drawn"] * 2 == out["adapters"] and not out["init_problems"], out
         assert not out["frozen_with_grad"] and not out["frozen_with_state"], out
         assert out["params_are_dtensors"]
     return res[0][name]

@@ -7,7 +7,9 @@ is the weighted sum of its k experts' SwiGLU outputs.
 Experts (``GroupedExperts``) are three stacked parameters: ``w1``/``w3`` ``[E, H, D]`` (gate and
 up projections) and ``w2`` ``[E, D, H]`` (down), laid out like Hugging Face's per-expert
 ``gate_proj``/``up_proj``/``down_proj`` weights stacked on a new dim 0. On CUDA with bf16
-inputs they compute with ``torch._grouped_mm``; otherwise with an exact per-expert loop.
+inputs they compute with ``torch._grouped_mm``; otherwise with an exact per-expert loop. Each
+projection goes through ``GroupedExperts.project`` (:func:`grouped_linear` over the forward's
+:class:`ExpertGroups`), which LoRA's experts mixin extends (``torchtitan_omni.modules.lora``).
 
 Dispatcher interface (what expert parallel replaces)
 ----------------------------------------------------
