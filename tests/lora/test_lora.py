@@ -1,7 +1,8 @@
 """LoRA in one process: an adapted model at init is its base model exactly; training changes
 only the adapters; adapters and merging agree; the mixins keep names and never replace a
-forward; compiled adapted blocks match eager; ``[lora]`` settings are checked at start-up with
-one line each."""
+forward; compiled adapted blocks match eager; code that reads a linear's weight directly (a
+head's chunked loss, a fused qkv read row by row) takes the adapters; ``[lora]`` settings are
+checked at start-up with one line each."""
 
 from __future__ import annotations
 
@@ -216,3 +217,36 @@ def test_lora_settings_without_enable():
     assert sorted({n.split(".", 3)[-1] for n in summary.modules}) == [
         "attention.wk", "attention.wo", "attention.wq", "attention.wv", "moe.experts"]
     assert len(lora_modules(model)) == len(summary.modules)
+
+
+def test_heads_and_fused_projections_that_read_weights_directly_take_the_adapters():
+    from torchtitan_omni.encoders.blocks import FusedQKVAttention
+    from torchtitan_omni.encoders.projector import MLPProjector
+    from torchtitan_omni.protocols.modules import AttentionMeta
+
+    torch.manual_seed(0)
+    # a prediction head's loss path: at B = 0 the base loss, then the adapted logits' loss
+    head = MLPProjector(8, 11, hidden_dim=6, depth=2)
+    x, targets = torch.randn(5, 8), torch.randint(0, 11, (5,))
+    base = head(x, targets)
+    add_lora(head.layers[1], 2, 4.0)
+    with torch.no_grad():
+        head.layers[1].lora_a.normal_()
+        head.layers[1].lora_b.zero_()
+    torch.testing.assert_close(head(x, targets), base, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        head.layers[1].lora_b.normal_()
+    expected = torch.nn.functional.cross_entropy(head(x), targets, reduction="sum")
+    torch.testing.assert_close(head(x, targets), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(expected, base)
+    # a fused qkv read row by row (async Ulysses' project) agrees with the one-GEMM path
+    attn = FusedQKVAttention(16, 2)
+    add_lora(attn.qkv, 2, 4.0)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(std=0.3)
+    h = torch.randn(1, 5, 16)
+    meta = AttentionMeta(torch.tensor([0, 5], dtype=torch.int32), 5, torch.zeros(1, 5).long(),
+                         causal=False)
+    for got, want in zip((attn.project(h, w, meta) for w in "qkv"), attn.project_qkv(h, meta)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
