@@ -10,6 +10,11 @@ with any omni tokens it gained; loadable by ``AutoModelForCausalLM.from_pretrain
 per encoder and decoder (``exported/encoders.vision``, ...) in its adapter's naming.
 ``--checkpoint`` is a ``step-N`` folder or a checkpoint folder (its newest complete step).
 
+LoRA runs (the config's ``[lora]``): adapters are merged into their weights, so the folders
+hold plain models; an adapter-only checkpoint takes its base from the config's
+``weights.sources``. ``--adapter-only`` writes only what the run trained to
+``OUT/adapter_model.safetensors`` (with ``adapter_config.json``) instead.
+
 HF -> DCP (one process, or ``torchrun --nproc_per_node N`` for models that need sharding)::
 
     python scripts/convert_checkpoint.py hf-to-dcp --config CONFIG \\
@@ -38,7 +43,11 @@ from torchtitan_omni.checkpoint.completion import resolve_checkpoint
 from torchtitan_omni.checkpoint.hf_export import (
     copy_tokenizer, export_part, exportable_parts, save_model_checkpoint,
 )
+from torchtitan_omni.checkpoint.lora_export import export_adapter, holds_adapters, merged_reader
+from torchtitan_omni.checkpoint.parts import top_level_parts
 from torchtitan_omni.checkpoint.safetensors_folder import EXTRA_FILE
+from torchtitan_omni.checkpoint.tensor_readers import DCPReader
+from torchtitan_omni.lora import apply_lora_config, lora_settings
 from torchtitan_omni.checkpoint.model_build import (
     init_process_group, model_on_meta, parse_config, sharded_model,
 )
@@ -58,13 +67,44 @@ def _export_tokenizer(cfg, target: str) -> list[str]:
     return copied
 
 
+def _lora_model(cfg, folder: str):
+    """The config's model on meta, adapted like the run when ``[lora]`` is on; refuses a LoRA
+    checkpoint under a config without LoRA (its adapters would be dropped unmerged)."""
+    model = model_on_meta(cfg)
+    if cfg.lora.enable:
+        model.freeze(list(cfg.omni.freeze))
+        apply_lora_config(model, cfg.lora)
+    elif holds_adapters(DCPReader(folder)):
+        raise ValueError(f"{folder} holds LoRA adapters but the config's lora.enable is off: "
+                         "pass the run's config (or -- --lora.enable and its [lora] values)")
+    return model
+
+
+def export_lora_adapter(config: str, overrides: list[str], checkpoint: str, out: str,
+                        parts: list[str] | None = None) -> str:
+    """Write what a LoRA run trained (adapters, lora.train_modules) to one safetensors file."""
+    cfg = parse_config(config, overrides)
+    if not cfg.lora.enable:
+        raise ValueError("--adapter-only needs the LoRA run's config (lora.enable = true)")
+    folder = resolve_checkpoint(checkpoint)
+    model = _lora_model(cfg, folder)
+    report = export_adapter(model, parts or top_level_parts(model), folder, out,
+                            lora_settings(cfg.lora))
+    print(f"adapter: {report.tensors} tensors of {report.modules} adapted modules, "
+          f"{report.bytes / 2**20:.2f} MiB -> {report.path}")
+    return report.path
+
+
 def dcp_to_hf(config: str, overrides: list[str], checkpoint: str, out: str,
               parts: list[str] | None = None, dtype: str | None = None,
               max_shard_size: str = "5GB") -> dict[str, str]:
-    """Export parts of a DCP checkpoint as Hugging Face folders; returns part -> folder."""
+    """Export parts of a DCP checkpoint as Hugging Face folders (LoRA adapters merged into
+    their weights); returns part -> folder."""
     cfg = parse_config(config, overrides)
     folder = resolve_checkpoint(checkpoint)
-    model = model_on_meta(cfg)
+    model = _lora_model(cfg, folder)
+    reader = (merged_reader(model, folder, list(cfg.weights.sources), lora_settings(cfg.lora))
+              if cfg.lora.enable else None)
     available = exportable_parts(model)
     chosen = parts or list(available)
     unknown = [p for p in chosen if p not in available]
@@ -75,7 +115,7 @@ def dcp_to_hf(config: str, overrides: list[str], checkpoint: str, out: str,
     for part in chosen:
         target = os.path.join(out, part)
         report = export_part(model, part, available[part], folder, target,
-                             DTYPES[dtype] if dtype else None, max_shard_size)
+                             DTYPES[dtype] if dtype else None, max_shard_size, reader)
         extra = _export_tokenizer(cfg, target) if part == "llm" else []
         if report.extras:
             extra.append(f"{report.extras} tensors without a Hugging Face name in {EXTRA_FILE}")
@@ -123,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--parts", help="comma-separated parts (default: every part with an adapter)")
     a.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors (default: as saved)")
     a.add_argument("--max-shard-size", default="5GB")
+    a.add_argument("--adapter-only", action="store_true",
+                   help="LoRA runs: write only what trained (adapters) to OUT/"
+                        "adapter_model.safetensors instead of merged Hugging Face folders")
     b = sub.add_parser("hf-to-dcp", help="Hugging Face folders per part -> a DCP checkpoint")
     b.add_argument("--config", required=True)
     b.add_argument("--source", action="append", default=[], help="part=path (repeatable)")
@@ -130,7 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--step", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        if args.command == "dcp-to-hf":
+        if args.command == "dcp-to-hf" and args.adapter_only:
+            parts = [p.strip() for p in args.parts.split(",")] if args.parts else None
+            export_lora_adapter(args.config, overrides, args.checkpoint, args.out, parts)
+        elif args.command == "dcp-to-hf":
             parts = [p.strip() for p in args.parts.split(",")] if args.parts else None
             dcp_to_hf(args.config, overrides, args.checkpoint, args.out, parts, args.dtype,
                       args.max_shard_size)

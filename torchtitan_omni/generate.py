@@ -6,8 +6,9 @@
         --generate.mode image --generate.prompt "a handwritten seven" --generate.num_images 4
 
 The model is built from the job's config, its weights loaded from the newest complete DCP
-checkpoint (``generate.checkpoint``, default ``<job.dump_folder>/<checkpoint.folder>``), and
-decoding runs one process on one device with a KV cache
+checkpoint (``generate.checkpoint``, default ``<job.dump_folder>/<checkpoint.folder>``; a LoRA
+job's adapters included, its base from ``weights.sources`` when the checkpoint is
+adapter-only), and decoding runs one process on one device with a KV cache
 (``torchtitan_omni.modules.attention.KVCache``).
 
 Text mode lays the prompt out exactly as training did (the data pipeline's template and
@@ -75,21 +76,22 @@ class Generator:
     def from_config(cls, cfg: JobConfig, checkpoint: str | None = None) -> "Generator":
         """Build the job's model on ``local_device()`` and load its newest checkpoint."""
         from torchtitan_omni.checkpoint.model_build import job_model_args, model_on_meta
-        from torchtitan_omni.checkpoint.weights import load_part_from_dcp
+        from torchtitan_omni.checkpoint.weights import load_job_weights
+        from torchtitan_omni.lora import apply_lora_config
 
         device = local_device()
         tokenizer = build_omni_tokenizer(cfg)
         processors = build_processors(dict(job_model_args(cfg).processing()))
         model = model_on_meta(cfg)
+        if cfg.lora.enable:  # the adapters are part of the trained model
+            apply_lora_config(model, cfg.lora)
         model.to_empty(device=device)
         model.init_seed = cfg.omni.init_seed
         with torch.no_grad():
             model.init_weights(buffer_device=device)
         path = checkpoint or cfg.generate.checkpoint or os.path.join(
             cfg.job.dump_folder, cfg.checkpoint.folder)
-        parts = ["llm"] + [f"encoders.{n}" for n in model.encoders] + [f"decoders.{n}" for n in model.decoders]
-        for part in parts:
-            load_part_from_dcp(model, part, path)
+        load_job_weights(model, path, list(cfg.weights.sources))
         logger.info(f"Loaded {cfg.model.name} {cfg.model.flavor} from {path}")
         return cls(model, tokenizer, processors, device)
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torchtitan.protocols.model import ModelProtocol
 
 from torchtitan_omni.modules.init import init_context
+from torchtitan_omni.modules.lora import init_adapters
 from torchtitan_omni.protocols import batch as B
 from torchtitan_omni.protocols.modules import AttentionMeta, Foundation, OmniDecoder, OmniEncoder
 from torchtitan_omni.protocols.plan import OmniParallelPlan
@@ -225,6 +226,7 @@ class OmniModel(ModelProtocol):
                 enc.init_weights(buffer_device)
             for dec in self.decoders.values():
                 dec.init_weights(buffer_device)
+            init_adapters(self)  # LoRA adapters, if any
 
     def freeze(self, prefixes: list[str]) -> list[str]:
         """Stop gradients of the sub-modules at these dotted paths; returns what was frozen."""

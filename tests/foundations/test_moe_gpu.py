@@ -69,8 +69,9 @@ def test_float32_experts_under_bf16_autocast_use_grouped_mm(monkeypatch):
     import torchtitan_omni.modules.moe as moe_module
 
     calls = []
-    original = moe_module._experts_grouped_mm
-    monkeypatch.setattr(moe_module, "_experts_grouped_mm", lambda *a: calls.append(1) or original(*a))
+    original = moe_module._grouped_linear_mm
+    monkeypatch.setattr(moe_module, "_grouped_linear_mm",
+                        lambda *a: calls.append(1) or original(*a))
     torch.manual_seed(0)
     moe = MoE(dim=128, hidden_dim=64, num_experts=8, top_k=2)
     with init_context(moe, seed=3):

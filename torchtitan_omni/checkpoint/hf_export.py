@@ -8,7 +8,8 @@ written; so peak memory is about one shard (``max_shard_size``). Each part goes 
 folder with ``config.json`` from its adapter (``hf_config()``) and an index when sharded. Tensors
 the adapter declares ``init_only`` (no HF counterpart, e.g. a new projector) are written under
 our names to ``EXTRA_FILE`` next to them, outside the index, so importing the folder back
-restores them too.
+restores them too. The tensors come through a reader (``tensor_readers``): the checkpoint, or
+for LoRA checkpoints the base with the adapters merged in (``lora_export``).
 
 Import is the loader itself: build the sharded model, load ``part=path`` sources
 (``torchtitan_omni.checkpoint.weights``) and save the model as a published DCP checkpoint
@@ -29,8 +30,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from torchtitan.tools.logging import logger
@@ -41,6 +40,7 @@ from torchtitan_omni.checkpoint.hf_loader import init_only_patterns
 from torchtitan_omni.checkpoint.safetensors_folder import (
     EXTRA_FILE, INDEX_FILE, SINGLE_FILE, CheckpointFormatError,
 )
+from torchtitan_omni.checkpoint.tensor_readers import DCPReader, TensorReader
 from torchtitan_omni.distributed.utils import barrier
 from torchtitan_omni.protocols.hf import HFAdapter, HFSource
 
@@ -120,21 +120,24 @@ class ExportReport:
 
 
 def export_part(model: nn.Module, part: str, adapter: HFAdapter, checkpoint: str, out: str,
-                dtype: torch.dtype | None = None, max_shard_size: str = "5GB") -> ExportReport:
-    """Write ``part`` of the DCP ``checkpoint`` as a Hugging Face folder ``out``."""
+                dtype: torch.dtype | None = None, max_shard_size: str = "5GB",
+                reader: TensorReader | None = None) -> ExportReport:
+    """Write ``part`` of the DCP ``checkpoint`` as a Hugging Face folder ``out``; ``reader``
+    (default: the checkpoint itself) supplies the tensors, e.g. LoRA-merged ones."""
     tensors = state_tensors(model.get_submodule(part))
     sources = adapter.sources()
     extras = _unmapped(part, tensors, adapter)
     for alias in tied_aliases(tensors, sources):
         del tensors[alias]
-    saved = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    reader = reader or DCPReader(checkpoint)
     problems = []
     for name, t in tensors.items():
-        md = saved.get(f"{part}.{name}")
-        if not isinstance(md, TensorStorageMetadata):
-            problems.append(f"{part}.{name}: not in {checkpoint}")
-        elif tuple(md.size) != tuple(t.shape):
-            problems.append(f"{part}.{name}: {tuple(md.size)} in {checkpoint}, {tuple(t.shape)} in the model")
+        md = reader.meta(f"{part}.{name}")
+        if md is None:
+            problems.append(f"{part}.{name}: not in {reader.where}")
+        elif tuple(md[0]) != tuple(t.shape):
+            problems.append(f"{part}.{name}: {tuple(md[0])} in {reader.where}, "
+                            f"{tuple(t.shape)} in the model")
     if problems:
         raise CheckpointFormatError(f"cannot export {part}:\n  " + "\n  ".join(problems[:25]))
 
@@ -142,9 +145,9 @@ def export_part(model: nn.Module, part: str, adapter: HFAdapter, checkpoint: str
     shards: list[list[str]] = [[]]
     size = 0
     for name in sources:  # adapter order keeps layers together
-        md = saved[f"{part}.{name}"]
-        n = md.properties.dtype.itemsize
-        for d in md.size:
+        shape, saved_dtype = reader.meta(f"{part}.{name}")
+        n = saved_dtype.itemsize
+        for d in shape:
             n *= d
         if shards[-1] and size + n > limit:
             shards.append([])
@@ -155,9 +158,7 @@ def export_part(model: nn.Module, part: str, adapter: HFAdapter, checkpoint: str
     writer = ShardedWriter(out, limit)
     out_dtype = None
     for names in shards:
-        full = {f"{part}.{n}": torch.empty(saved[f"{part}.{n}"].size,
-                                           dtype=saved[f"{part}.{n}"].properties.dtype) for n in names}
-        dcp.load(full, checkpoint_id=checkpoint, no_dist=True)
+        full = reader.read([f"{part}.{n}" for n in names])
         for n in names:
             for key, value in split_to_hf(full[f"{part}.{n}"], sources[n]):
                 if dtype is not None and value.is_floating_point():
@@ -169,10 +170,9 @@ def export_part(model: nn.Module, part: str, adapter: HFAdapter, checkpoint: str
         del full  # keep memory at about one shard
     files = writer.close()
     if extras:  # init_only tensors, under our names, outside the HF index
-        full = {n: torch.empty(saved[f"{part}.{n}"].size, dtype=saved[f"{part}.{n}"].properties.dtype)
-                for n in extras}
-        dcp.load({f"{part}.{n}": t for n, t in full.items()}, checkpoint_id=checkpoint, no_dist=True)
-        save_file(full, os.path.join(out, EXTRA_FILE), metadata={"format": "pt"})
+        full = reader.read([f"{part}.{n}" for n in extras])
+        save_file({n: full[f"{part}.{n}"].contiguous() for n in extras},
+                  os.path.join(out, EXTRA_FILE), metadata={"format": "pt"})
     config = dict(adapter.hf_config())
     if out_dtype in _DTYPE_NAMES:
         config["torch_dtype"] = _DTYPE_NAMES[out_dtype]

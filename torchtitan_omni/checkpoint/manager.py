@@ -12,7 +12,12 @@ modes, intervals and purge thread it keeps):
   checkpoint's metadata, so a checkpoint of another model fails with the tensor names instead
   of a planner error;
 - ``keep_latest_k`` counts only published checkpoints, so an in-flight save never costs a
-  complete one.
+  complete one;
+- LoRA (``lora.save_adapter_only``): saves keep only the model tensors that train (adapters,
+  ``lora.train_modules``) and record it in the manifest; resuming such a checkpoint reads only
+  them (the frozen base comes from ``weights.sources``, ``trainer_setup``), and a model-only
+  base checkpoint without adapters loads into a LoRA model with the adapters left as
+  initialized.
 
 Model and optimizer states are DCP state dicts with full FQNs (``get_model_state_dict``,
 ``get_optimizer_state_dict``), so a checkpoint saved under one layout (FSDP4) loads under
@@ -49,9 +54,11 @@ from torchtitan_omni.checkpoint.completion import (
     tmp_dir,
     verify,
 )
+from torchtitan_omni.checkpoint.parts import state_tensors
 from torchtitan_omni.checkpoint.stateful import RNG, DataloaderState, RNGState
 from torchtitan_omni.distributed.utils import all_reduce
 from torchtitan_omni.errors import CheckpointFormatError
+from torchtitan_omni.modules.lora import adapter_names, is_adapter_key
 from torchtitan_omni.platform import local_device
 
 _MAX_LISTED = 20
@@ -106,15 +113,33 @@ def _tensors(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
             _tensors(v, f"{prefix}.{k}" if prefix else str(k), out)
 
 
+class ModelKeys:
+    """Names of the model's tensors by role (DCP keys: full FQNs): ``frozen`` (every
+    parameter or persistent buffer that does not train) and ``adapters`` (LoRA)."""
+
+    def __init__(self, model_parts: list[torch.nn.Module]) -> None:
+        self.frozen: set[str] = set()
+        self.adapters: set[str] = set()
+        for model in model_parts:
+            self.adapters |= adapter_names(model)
+            trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+            self.frozen |= {n for n in state_tensors(model, adapters=True) if n not in trainable}
+
+
 class OmniCheckpointManager(CheckpointManager):
     """TorchTitan's ``CheckpointManager`` with the additions in the module docstring."""
 
     def __init__(self, *, dataloader, model_parts, optimizers, lr_schedulers, states,
                  checkpoint_config, sd_adapter, base_folder: str, parallel_dims,
-                 ft_manager=None) -> None:
+                 ft_manager=None, adapter_only: bool = False, lora: dict | None = None) -> None:
         # last_save_in_hf / initial_load_in_hf are refused at start-up
         # (torchtitan_omni.config.unsupported).
         self.parallel_dims = parallel_dims
+        #: ``lora.save_adapter_only``: saves keep only the trained model tensors (and ``lora``,
+        #: the settings and base this run trains with, goes into the manifest)
+        self.adapter_only = adapter_only
+        self.lora = lora
+        self.model_keys = ModelKeys(model_parts)
         self.layout = layout_of(parallel_dims)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         dp_rank, dp_size = _data_rank(parallel_dims)
@@ -142,6 +167,12 @@ class OmniCheckpointManager(CheckpointManager):
         tmp = tmp_dir(checkpoint_id)
         info = {"step": step_of(checkpoint_id), "model_only": OPTIMIZER not in state_dict,
                 "layout": self.layout, "torch": torch.__version__}
+        if self.lora is not None:
+            info["lora"] = self.lora
+        if self.adapter_only:
+            frozen = self.model_keys.frozen
+            state_dict = {k: v for k, v in state_dict.items() if k not in frozen}
+            info["adapter_only"] = True
         result = super().dcp_save(state_dict, tmp, async_mode, enable_garbage_collection)
         if self.rank != 0:
             return result
@@ -221,6 +252,11 @@ class OmniCheckpointManager(CheckpointManager):
                 "that every node sees the same way"
             )
 
+    def holds_base_weights(self, path: str) -> bool:
+        """Whether the checkpoint at ``path`` holds the frozen base weights (an adapter-only
+        one does not: the base comes from ``weights.sources``)."""
+        return not (read_manifest(path) or {}).get("adapter_only")
+
     def will_load(self) -> str | None:
         """What ``load()`` will load the model from, or None (for ``weights.sources``)."""
         if not self.enable:
@@ -296,7 +332,35 @@ class OmniCheckpointManager(CheckpointManager):
                         f"run is {describe_layout(self.layout)}; every rank keeps its fresh seed"
                     )
             states = self._flattened_model_states_sd(states)
+        states = self._lora_states(states, saved, target, model_only)
         self._check_tensors(states, saved, target.path)
+        return states
+
+    def _lora_states(self, states: dict[str, Any], saved: dict, target: Candidate,
+                     model_only: bool) -> dict[str, Any]:
+        """Model tensors to read from a LoRA-related checkpoint: only the trained ones of an
+        adapter-only checkpoint (the base came from ``weights.sources``); the base without
+        adapters from a model-only checkpoint that has none (a base model: adapters keep
+        their initialization)."""
+        adapters = self.model_keys.adapters
+        if not adapters and any(is_adapter_key(k) for k in saved if not k.startswith(OPTIMIZER)):
+            raise CheckpointFormatError(
+                f"{target.path} holds LoRA adapters but this run has none: resume it with the "
+                "run's [lora] settings (lora.enable), or export it merged "
+                "(scripts/convert_checkpoint.py) and start from that")
+        if target.manifest.get("adapter_only"):
+            lora = target.manifest.get("lora") or {}
+            for key in ("weights_sources", "init_seed"):
+                if self.lora is not None and lora.get(key) != self.lora.get(key):
+                    logger.warning(
+                        f"{target.path} is adapter-only and was trained on a base with "
+                        f"{key} = {lora.get(key)!r}; this run has {self.lora.get(key)!r}")
+            frozen = self.model_keys.frozen
+            return {k: v for k, v in states.items() if k not in frozen}
+        if model_only and adapters and not any(k in saved for k in adapters):
+            logger.info(f"{target.path} holds no LoRA adapters (a base model): the "
+                        f"{len(adapters)} adapter tensors keep their initialization")
+            return {k: v for k, v in states.items() if k not in adapters}
         return states
 
     def _check_tensors(self, states: dict[str, Any], saved: dict, path: str) -> None:

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_omni.errors import CheckpointFormatError
+from torchtitan_omni.modules.lora import adapter_names
 
 _WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
@@ -22,10 +23,17 @@ def clean_name(name: str) -> str:
     return ".".join(s for s in name.split(".") if s not in _WRAPPER_SEGMENTS)
 
 
-def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers of ``module``, by clean name (tied names all listed)."""
+def state_tensors(module: nn.Module, adapters: bool = False) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers of ``module``, by clean name (tied names all listed).
+
+    LoRA adapters (``torchtitan_omni.modules.lora``) are left out unless ``adapters``: what
+    Hugging Face folders and base checkpoints hold, and what an export writes, is the base.
+    """
     out: dict[str, torch.Tensor] = {}
+    skip = set() if adapters else adapter_names(module)
     for name, param in module.named_parameters(remove_duplicate=False):
+        if name in skip:
+            continue
         out[clean_name(name)] = param
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for buf_name, buf in mod._buffers.items():

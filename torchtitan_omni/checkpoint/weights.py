@@ -22,11 +22,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan.tools.logging import logger
 
-from torchtitan_omni.checkpoint.completion import DCP_METADATA, resolve_checkpoint, scan
+from torchtitan_omni.checkpoint.completion import (
+    DCP_METADATA, read_manifest, resolve_checkpoint, scan,
+)
 from torchtitan_omni.checkpoint.hf_loader import LoadReport, load_part_from_hf
 from torchtitan_omni.checkpoint.parts import resolve_part, state_tensors, top_level_parts
 from torchtitan_omni.checkpoint.safetensors_folder import INDEX_FILE
 from torchtitan_omni.errors import CheckpointFormatError
+from torchtitan_omni.modules.lora import adapter_names, is_adapter_key
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,26 @@ def is_dcp_checkpoint(path: str) -> bool:
 
 @torch.no_grad()
 def load_part_from_dcp(model: nn.Module, part: str, path: str) -> LoadReport:
-    """Load the part at ``part`` from a DCP checkpoint of an omni model (same tensor names)."""
+    """Load the part at ``part`` from a DCP checkpoint of an omni model (same tensor names).
+    LoRA adapters are loaded when the checkpoint has them (a LoRA run's full checkpoint) and
+    otherwise keep their initialization (a base checkpoint)."""
     folder = resolve_checkpoint(path)
     module = resolve_part(model, part)
     tensors = {f"{part}.{name}": t for name, t in state_tensors(module).items()}
     saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    if not adapter_names(module) and any(is_adapter_key(k) for k in saved
+                                         if k.startswith(part + ".")):
+        raise CheckpointFormatError(
+            f"cannot load part {part!r} from {folder}: it holds LoRA adapters, which this "
+            "model has none of (they would be dropped unmerged): enable the run's [lora], or "
+            "export it merged (scripts/convert_checkpoint.py) and load that")
+    base, kept = set(tensors), []
+    for name, t in state_tensors(module, adapters=True).items():
+        if f"{part}.{name}" not in base:
+            if f"{part}.{name}" in saved:
+                tensors[f"{part}.{name}"] = t
+            else:
+                kept.append(name)
     problems = []
     for key, t in tensors.items():
         md = saved.get(key)
@@ -90,12 +108,14 @@ def load_part_from_dcp(model: nn.Module, part: str, path: str) -> LoadReport:
                 f"shape mismatch: {key} is {tuple(t.shape)} in the model, {tuple(md.size)} in {folder}"
             )
     if problems:
+        hint = (" (an adapter-only LoRA checkpoint: it holds no base weights)"
+                if (read_manifest(folder) or {}).get("adapter_only") else "")
         raise CheckpointFormatError(
-            f"cannot load part {part!r} from {folder}: {len(problems)} problem(s):\n  "
+            f"cannot load part {part!r} from {folder}{hint}: {len(problems)} problem(s):\n  "
             + "\n  ".join(problems[:25])
         )
     dcp.load({k: t.detach() for k, t in tensors.items()}, checkpoint_id=folder)
-    report = LoadReport(part, folder, tensors=len(tensors))
+    report = LoadReport(part, folder, tensors=len(tensors), kept_init=kept)
     for t in tensors.values():
         report.checkpoint_bytes += t.numel() * t.element_size()
     return report
@@ -141,3 +161,32 @@ def load_initial_weights(model: nn.Module, entries: list[str]) -> list[LoadRepor
     if random:
         logger.info(f"Randomly initialized (no weights.sources entry): {', '.join(random)}")
     return reports
+
+
+@torch.no_grad()
+def load_job_weights(model: nn.Module, path: str, sources: list[str]) -> list[str]:
+    """Every weight of a job's model from its DCP checkpoint ``path`` (a ``step-N`` folder or
+    a checkpoint root): part by part, or, for an adapter-only LoRA checkpoint, the base from
+    ``sources`` (the job's ``weights.sources``; without any, the model's seeded init stays)
+    and then what the checkpoint holds. Returns the parts loaded."""
+    folder = resolve_checkpoint(path)
+    parts = top_level_parts(model)
+    if not (read_manifest(folder) or {}).get("adapter_only"):
+        for part in parts:
+            load_part_from_dcp(model, part, folder)
+        return parts
+    if sources:
+        load_initial_weights(model, sources)
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    problems = [f"missing tensor {n} in {folder}" for n in trained if n not in saved]
+    problems += [f"shape mismatch: {n} is {tuple(p.shape)} in the model, "
+                 f"{tuple(saved[n].size)} in {folder}" for n, p in trained.items()
+                 if n in saved and tuple(saved[n].size) != tuple(p.shape)]
+    if problems or not trained:
+        raise CheckpointFormatError(
+            f"{folder} is an adapter-only LoRA checkpoint; this model "
+            + ("has no LoRA (lora.enable)" if not trained else
+               f"does not match it: {len(problems)} problem(s):\n  " + "\n  ".join(problems[:25])))
+    dcp.load({n: p.detach() for n, p in trained.items()}, checkpoint_id=folder)
+    return parts

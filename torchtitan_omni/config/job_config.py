@@ -3,7 +3,8 @@
 Loaded through ``job.custom_config_module = "torchtitan_omni.config.job_config"`` (every
 bundled TOML sets it, and ``torchtitan_omni.train`` sets it when a config does not): TorchTitan
 merges these dataclasses into its own, so ``[parallelism]`` gains ``ulysses_degree`` next to
-its own keys and the new sections ``[omni]``, ``[data]`` and ``[weights]`` appear.
+its own keys and the new sections ``[omni]``, ``[data]``, ``[weights]``, ``[lora]`` and
+``[generate]`` appear.
 
 Annotations are real types (no ``from __future__ import annotations``) because
 ``torchtitan_omni.config.validate`` checks TOML values against them.
@@ -188,6 +189,47 @@ class Weights:
     an entry keep their random initialization. Ignored when resuming from checkpoint.folder."""
 
 
+#: the LLM's attention and feed-forward projections: the dense MLP's, or the MoE experts
+#: (the router stays frozen)
+DEFAULT_LORA_TARGETS = ("llm.layers.*.attention.*",
+                        "llm.layers.*.feed_forward.*|llm.layers.*.moe.experts")
+
+
+@dataclass
+class Lora:
+    """LoRA fine-tuning (docs/lora.md): low-rank adapters on chosen projections; every other
+    weight is frozen (no gradient, no reduction, no optimizer state)."""
+
+    enable: bool = False
+    """Add adapters to the modules of ``target_modules`` and train only them (and
+    ``train_modules``)."""
+
+    rank: int = 8
+    """Rank r of every adapter (>= 1)."""
+
+    alpha: float = 16.0
+    """Scale numerator: an adapter adds (alpha / rank) B A x (> 0)."""
+
+    dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1)."""
+
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    """Modules that get adapters: nn.Linear modules and grouped MoE experts (per-expert
+    adapters). Each entry is an fnmatch pattern over module names, matched per dotted segment
+    ("*" never crosses a dot), or several separated by "|"; an entry must match at least one
+    such module. E.g. ["llm.layers.*.attention.wq", "llm.layers.*.moe.experts",
+    "encoders.vision.blocks.*.attn.qkv"]. Default: the LLM's attention and feed-forward
+    projections."""
+
+    train_modules: list[str] = field(default_factory=list)
+    """Modules trained in full next to the adapters (same patterns), e.g. projectors new to
+    the model: ["encoders.vision.merger", "encoders.audio.projector"]."""
+
+    save_adapter_only: bool = False
+    """Checkpoints hold only what trains (adapters, train_modules) and its optimizer state;
+    the frozen base comes from weights.sources (or the seeded init) again on resume."""
+
+
 @dataclass
 class Generate:
     """``python -m torchtitan_omni.generate``: sampling from a trained checkpoint."""
@@ -245,5 +287,6 @@ class JobConfig:
     omni: Omni = field(default_factory=Omni)
     data: Data = field(default_factory=Data)
     weights: Weights = field(default_factory=Weights)
+    lora: Lora = field(default_factory=Lora)
     generate: Generate = field(default_factory=Generate)
     validation: Validation = field(default_factory=Validation)

@@ -5,7 +5,7 @@ table of what the omni trainer honours (``torchtitan_omni.config.unsupported``: 
 then value checks), the parallel degrees against the world size, torchtitan-omni's own
 sections, the model name and flavor, and the model-dependent constraints the spec's model args
 declare (``validate_parallelism``: Ulysses degree vs. attention heads, expert-parallel degree
-vs. experts).
+vs. experts), and the ``[lora]`` settings against the model's module names.
 """
 
 from __future__ import annotations
@@ -163,6 +163,7 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
             raise ConfigError(problem)
     _validate_plan(spec, args, degrees["ulysses_degree"], cfg.parallelism.expert_parallel_degree,
                    cfg.parallelism.expert_capacity_factor)
+    _validate_lora(cfg, spec, args)
 
 
 def _job_args(spec, cfg: JobConfig):
@@ -212,3 +213,41 @@ def _validate_plan(spec, args, ulysses_degree: int, ep_degree: int,
     problem = plan_problem(model, ulysses_degree, ep_degree, capacity_factor)
     if problem:
         raise ConfigError(problem)
+
+
+def _validate_lora(cfg: JobConfig, spec, args) -> None:
+    """The ``[lora]`` values, and its module patterns on the model built on the meta device
+    (frozen by ``omni.freeze`` first, as ``parallelize_omni`` does)."""
+    lora = cfg.lora
+    if not lora.enable:
+        if lora.save_adapter_only:
+            raise ConfigError("lora.save_adapter_only is set but lora.enable is not")
+        return
+    if lora.rank < 1:
+        raise ConfigError(f"lora.rank must be >= 1, got {lora.rank}")
+    if not lora.alpha > 0:
+        raise ConfigError(f"lora.alpha must be > 0, got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    if "float8" in cfg.model.converters:
+        raise ConfigError("lora.enable with model.converters = ['float8'] is not supported: "
+                          "adapters go on plain linears; train LoRA in bf16")
+    if lora.save_adapter_only and cfg.checkpoint.initial_load_path:
+        raise ConfigError(
+            "lora.save_adapter_only with checkpoint.initial_load_path: resuming an adapter-only "
+            "checkpoint takes the base from weights.sources, so give the base there (a DCP "
+            "checkpoint works too: 'llm=PATH')")
+    import torch
+
+    from torchtitan_omni.lora import apply_lora_config
+
+    try:
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+    except Exception:  # noqa: BLE001  (building fails for other reasons: the trainer reports it)
+        return
+    try:
+        model.freeze(list(cfg.omni.freeze))
+        apply_lora_config(model, lora)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

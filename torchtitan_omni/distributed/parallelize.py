@@ -2,7 +2,9 @@
 
 Order (each step reads the spec's ``OmniParallelPlan``):
 
-1. seed and freeze (``omni.init_seed``, ``omni.freeze``);
+1. seed and freeze (``omni.init_seed``, ``omni.freeze``), then LoRA (``[lora]``,
+   ``torchtitan_omni.lora``: adapters become parameters of their modules, everything else
+   but ``lora.train_modules`` is frozen);
 2. Ulysses runners on the plan's ``sequence_parallel_attention`` modules (sync or async), and
    the encoders' SP mode (``parallelism.encoder_sequence_parallel``);
 3. expert parallel on the plan's ``experts`` modules (``ep`` mesh, all-to-all dispatcher), or
@@ -23,8 +25,6 @@ materializes only the local shards (``to_empty``) and runs the layout-invariant 
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import (
@@ -42,14 +42,9 @@ from torchtitan_omni.distributed.encoder_sp import install_split_encoders
 from torchtitan_omni.distributed.expert_parallel import apply_expert_parallel
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.ulysses import kv_replication, make_runner
+from torchtitan_omni.lora import apply_lora_config
 from torchtitan_omni.platform import is_cpu
-from torchtitan_omni.protocols.plan import OmniParallelPlan, PartLayout
-
-
-def name_matches(name: str, pattern: str) -> bool:
-    """``fnmatch`` per dotted segment: ``"layers.*"`` matches ``layers.3``, not ``layers.3.mlp``."""
-    parts, pats = name.split("."), pattern.split(".")
-    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
+from torchtitan_omni.protocols.plan import OmniParallelPlan, PartLayout, name_matches
 
 
 def matching_modules(model: nn.Module, root: str, patterns: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
@@ -303,6 +298,9 @@ def parallelize_omni(model: nn.Module, parallel_dims: OmniParallelDims, job_conf
     frozen = model.freeze(list(job_config.omni.freeze))
     if frozen:
         logger.info(f"Frozen modules: {', '.join(frozen)}")
+    if job_config.lora.enable:
+        # first: Ulysses, EP, AC, compile and FSDP then treat adapters as module parameters
+        logger.info(apply_lora_config(model, job_config.lora).describe())
 
     if dims.sp_enabled:
         names = apply_ulysses(model, plan, dims, p.ulysses_async)

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_omni.modules import init
+from torchtitan_omni.modules.lora import is_lora
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.modules.mlp import GeluMLP
 from torchtitan_omni.protocols.modules import AttentionMeta
@@ -62,7 +63,10 @@ class FusedQKVAttention(SelfAttention):
         i = "qkv".index(which)
         width = self.n_heads * self.head_dim
         rows = slice(i * width, (i + 1) * width)
-        out = F.linear(x, self.qkv.weight[rows], self.qkv.bias[rows])
+        if is_lora(self.qkv):  # an adapted projection computes through its own forward
+            out = self.qkv(x)[..., rows]
+        else:
+            out = F.linear(x, self.qkv.weight[rows], self.qkv.bias[rows])
         out = out.unflatten(-1, (-1, self.head_dim))
         if which != "v" and self.rope is not None:
             out = self.rope(out, meta.position_ids)

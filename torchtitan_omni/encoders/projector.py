@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_omni.modules import init
+from torchtitan_omni.modules.lora import is_lora
 from torchtitan_omni.modules.linear_cross_entropy import linear_cross_entropy
 
 
@@ -42,6 +43,10 @@ class MLPProjector(nn.Module):
             x = F.gelu(x, approximate=self.approximate)
         if targets is None:
             return last(x)
+        if is_lora(last):
+            # an adapted layer computes through its own forward, so the loss takes its logits
+            # (float32, summed like linear_cross_entropy)
+            return F.cross_entropy(last(x).float(), targets, reduction="sum")
         return linear_cross_entropy(x, last.weight, targets, last.bias)
 
     def init_weights(self, std: float = 0.02) -> None:

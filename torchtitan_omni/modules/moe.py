@@ -9,7 +9,9 @@ up projections) and ``w2`` ``[E, D, H]`` (down), laid out like Hugging Face's pe
 ``gate_proj``/``up_proj``/``down_proj`` weights stacked on a new dim 0. On CUDA with bf16
 inputs they compute with ``torch._grouped_mm``; otherwise with an exact matmul per expert
 (``torchtitan_omni.modules.segment_mm``, one opaque operator to ``torch.compile``), or one
-batched matmul for padded groups.
+batched matmul for padded groups. Each projection goes through ``GroupedExperts.project``
+(:func:`grouped_linear` over the forward's :class:`ExpertGroups`), which LoRA's experts mixin
+extends (``torchtitan_omni.modules.lora``).
 
 Dispatcher interface (what expert parallel replaces)
 ----------------------------------------------------
@@ -100,33 +102,55 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _grouped_mm_usable(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+class ExpertGroups:
+    """How the rows of one experts forward are grouped by local expert, shared by its three
+    projections: exact groups (``x`` ``[M, in]`` sorted by expert, ``counts`` per expert; the
+    int32 end offsets for grouped GEMM are computed once) or padded groups (``x`` ``[E, R, in]``,
+    ``counts`` None). ``compute_dtype``: bfloat16 under CUDA autocast (inputs and weights are
+    cast), else None."""
+
+    def __init__(self, counts: torch.Tensor | None, compute_dtype: torch.dtype | None = None) -> None:
+        self.counts = counts
+        self.compute_dtype = compute_dtype
+        self._offsets: torch.Tensor | None = None
+
+    def offsets(self, x: torch.Tensor) -> torch.Tensor:
+        """int32 end offsets of the groups over the flattened rows of ``x``."""
+        if self._offsets is None:
+            counts = self.counts
+            if counts is None:  # padded: every group has the same rows
+                counts = torch.full((x.shape[0],), x.shape[1], device=x.device, dtype=torch.int64)
+            self._offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        return self._offsets
+
+
+def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     # grouped_mm wants bf16 and 16-byte aligned rows (multiples of 8 bf16 elements).
     return (
         x.is_cuda and hasattr(torch, "_grouped_mm")
-        and x.dtype == torch.bfloat16 and w1.dtype == torch.bfloat16
-        and x.shape[-1] % 8 == 0 and w1.shape[1] % 8 == 0 and w2.shape[1] % 8 == 0
+        and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+        and x.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
     )
 
 
-def _experts_grouped_mm(x, w1, w2, w3, counts) -> torch.Tensor:
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
-    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
-
-
-def _experts_segments(x, w1, w2, w3, counts) -> torch.Tensor:
-    # one exact matmul per expert; the split sizes are read inside the operator
-    gate = segment_mm(x, w1.transpose(-2, -1), counts)
-    up = segment_mm(x, w3.transpose(-2, -1), counts)
-    return segment_mm(F.silu(gate) * up, w2.transpose(-2, -1), counts)
-
-
-def _experts_batched(x, w1, w2, w3) -> torch.Tensor:
-    # padded groups [experts, R, D]: one batched matmul per projection, no host read
-    h = F.silu(x @ w1.transpose(-2, -1)) * (x @ w3.transpose(-2, -1))
-    return h @ w2.transpose(-2, -1)
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: ExpertGroups,
+                   use_grouped_mm: bool | None = None) -> torch.Tensor:
+    """``x[rows of e] @ w[e].T`` for every local expert e, ``w`` ``[E_local, out, in]``: exact
+    groups ``[M, in] -> [M, out]``, padded groups ``[E, R, in] -> [E, R, out]``. Grouped GEMM on
+    CUDA bf16 (unless ``use_grouped_mm`` is False), else an exact matmul per expert (exact
+    groups; one opaque operator, no host read in a compiled graph) or one batched matmul
+    (padded groups)."""
+    if groups.compute_dtype is not None:
+        x, w = x.to(groups.compute_dtype), w.to(groups.compute_dtype)
+    grouped = use_grouped_mm is not False and _grouped_mm_usable(x, w)
+    if groups.counts is None:  # padded groups
+        if not grouped:
+            return x @ w.transpose(-2, -1)
+        out = torch._grouped_mm(x.flatten(0, 1), w.transpose(-2, -1), offs=groups.offsets(x))
+        return out.view(*x.shape[:2], -1)
+    if grouped:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=groups.offsets(x))
+    return segment_mm(x, w.transpose(-2, -1), groups.counts)
 
 
 class GroupedExperts(nn.Module):
@@ -154,25 +178,25 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
         """Exact groups: ``x`` ``[M, D]`` sorted by local expert, ``counts`` ``[local experts]``;
         padded groups: ``x`` ``[local experts, R, D]``, ``counts`` None. Same shape out."""
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        groups = x.shape[0] if counts is None else counts.shape[0]
-        if groups != w1.shape[0]:
+        local = self.num_local_experts
+        n_groups = x.shape[0] if counts is None else counts.shape[0]
+        if n_groups != local:
             raise ValueError(
-                f"GroupedExperts got token counts for {groups} experts but holds "
-                f"{w1.shape[0]} (local) experts"
+                f"GroupedExperts got token counts for {n_groups} experts but holds "
+                f"{local} (local) experts"
             )
+        dtype = None
         if x.is_cuda and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16:
             # Without FSDP's mixed precision, TorchTitan autocasts; grouped_mm does not.
-            x, w1, w2, w3 = (t.to(torch.bfloat16) for t in (x, w1, w2, w3))
-        grouped = self.use_grouped_mm is not False and _grouped_mm_usable(x, w1, w2)
-        if counts is None:
-            if not grouped:
-                return _experts_batched(x, w1, w2, w3)
-            rows = torch.full((groups,), x.shape[1], device=x.device, dtype=torch.int64)
-            return _experts_grouped_mm(x.flatten(0, 1), w1, w2, w3, rows).view_as(x)
-        if grouped:
-            return _experts_grouped_mm(x, w1, w2, w3, counts)
-        return _experts_segments(x, w1, w2, w3, counts)
+            dtype = torch.bfloat16
+        groups = ExpertGroups(counts, dtype)
+        h = F.silu(self.project(x, "w1", groups)) * self.project(x, "w3", groups)
+        return self.project(h, "w2", groups)
+
+    def project(self, x: torch.Tensor, which: str, groups: ExpertGroups) -> torch.Tensor:
+        """One of the three projections (``"w1"``, ``"w3"``: ``D -> H``; ``"w2"``: ``H -> D``)
+        of every row by its expert. Mixins (LoRA) extend it."""
+        return grouped_linear(x, _local(getattr(self, which)), groups, self.use_grouped_mm)
 
     def init_weights(self, std: float, out_std: float | None = None) -> None:
         """Truncated-normal experts (``out_std`` for the down projection ``w2``)."""

@@ -7,8 +7,15 @@ segment by segment (``*`` never crosses a dot), e.g. ``"llm.layers.*"`` or
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from typing import Literal
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """``fnmatch`` per dotted segment: ``"layers.*"`` matches ``layers.3``, not ``layers.3.mlp``."""
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
 
 # Which mesh a part is FSDP-sharded over:
 #   "fsdp":     dp_shard x sp (sequence-parallel ranks co-shard parameters; the default)
