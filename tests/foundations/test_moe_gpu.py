@@ -66,12 +66,9 @@ def test_moe_layer_in_bf16_on_cuda_matches_float64():
 def test_float32_experts_under_bf16_autocast_use_grouped_mm(monkeypatch):
     """Without FSDP's mixed precision TorchTitan autocasts: the experts still take the grouped
     path (weights cast to bf16), and agree with float64."""
-    import torchtitan_omni.modules.moe as moe_module
-
     calls = []
-    original = moe_module._grouped_linear_mm
-    monkeypatch.setattr(moe_module, "_grouped_linear_mm",
-                        lambda *a: calls.append(1) or original(*a))
+    original = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or original(*a, **k))
     torch.manual_seed(0)
     moe = MoE(dim=128, hidden_dim=64, num_experts=8, top_k=2)
     with init_context(moe, seed=3):
