@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
 import sys
@@ -81,7 +80,9 @@ def attention_flops(docs: list[int], hq: int, d: int, causal: bool) -> float:
 
 # ----------------------------------------------------------------- candidates
 def _cu(docs: list[int], device) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return torch.tensor(
+        [0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
 
 
 def _expand(k: torch.Tensor, hq: int) -> torch.Tensor:
@@ -96,7 +97,9 @@ def reference(q, k, v, docs, causal) -> torch.Tensor:
     for n in docs:
         qd, kd, vd = (t[start:start + n].float().transpose(0, 1) for t in (q, k, v))
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal).transpose(0, 1))
+            outs.append(
+                F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal).transpose(0, 1)
+            )
         start += n
     return torch.cat(outs)
 
@@ -117,7 +120,9 @@ def make_candidates(case: dict) -> dict[str, Attn]:
         try:
             return varlen_attn(q, k, v, cu, cu, max(docs), max(docs), enable_gqa=True, **kw)
         except TypeError:
-            return varlen_attn(q, _expand(k, hq), _expand(v, hq), cu, cu, max(docs), max(docs), **kw)
+            return varlen_attn(
+                q, _expand(k, hq), _expand(v, hq), cu, cu, max(docs), max(docs), **kw
+            )
 
     out["varlen_fa2"] = varlen
 
@@ -125,7 +130,9 @@ def make_candidates(case: dict) -> dict[str, Attn]:
         def run(q, k, v):
             with sdpa_kernel(backend):
                 qb, kb, vb = (_expand(t, hq).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-                return F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)[0].transpose(0, 1)
+                return F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)[0].transpose(
+                    0, 1
+                )
         return run
 
     if single or len(docs) == 1:
@@ -155,11 +162,15 @@ def make_candidates(case: dict) -> dict[str, Attn]:
         result = torch.empty_like(q)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
             for n, items in by_len.items():
-                idx = torch.cat([torch.arange(starts[i], starts[i] + n) for i in items]).to(q.device)
+                idx = torch.cat([torch.arange(starts[i], starts[i] + n) for i in items]).to(
+                    q.device
+                )
                 qb, kb, vb = (_expand(t, hq).index_select(0, idx).view(len(items), n, hq, -1)
                               .transpose(1, 2) for t in (q, k, v))
                 o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
-                result = result.index_copy(0, idx, o.transpose(1, 2).reshape(len(items) * n, hq, -1))
+                result = result.index_copy(
+                    0, idx, o.transpose(1, 2).reshape(len(items) * n, hq, -1)
+                )
         return result
 
     if not causal:
@@ -194,7 +205,7 @@ def make_candidates(case: dict) -> dict[str, Attn]:
     out["cudnn_ragged"] = ragged
 
     def flex(q, k, v):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
 
         doc_id = torch.repeat_interleave(torch.arange(len(docs), device=q.device),
                                          torch.tensor(docs, device=q.device))

@@ -11,7 +11,8 @@ Prints samples/s and tokens/s (real, non-padding tokens) of the loader and wheth
 with one training step per ``--gpu-step-ms`` per data-parallel rank (each rank has its own
 loader and workers). Processing configs come from ``--model/--flavor`` when that spec is
 registered, else from ``--preset``: "debug" (small 28 px patches, what the CPU debug models
-use) or "qwen2vl" (14 px patches, images up to 1,280 LLM tokens, Whisper audio, 384 px generation targets).
+use) or "qwen2vl" (14 px patches, images up to 1,280 LLM tokens, Whisper audio, 384 px
+generation targets).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from torchtitan_omni.protocols.processing import (
 PRESETS = {
     "debug": {
         "image": ImageProcessing(patch_size=14, min_pixels=28 * 28, max_pixels=56 * 56),
-        "video": VideoProcessing(patch_size=14, min_pixels=28 * 28, max_pixels=56 * 56, fps=2.0, max_frames=8),
+        "video": VideoProcessing(
+            patch_size=14, min_pixels=28 * 28, max_pixels=56 * 56, fps=2.0, max_frames=8
+        ),
         "audio": AudioProcessing(),
         "gen_image": GenImageProcessing(image_size=32, downsample=8),
     },
@@ -101,9 +104,11 @@ def main(argv=None) -> int:
         tokens += int(batch["real_tokens"])
     elapsed = time.perf_counter() - start
     ms_per_batch = 1000 * elapsed / args.batches
-    print(f"loader: {args.batches} batches of {args.batch_size} x {args.seq_len} in {elapsed:.2f} s "
-          f"(workers={args.workers}, preset/model={args.model or args.preset}, "
-          f"data={args.data or args.dataset_path})")
+    print(
+        f"loader: {args.batches} batches of {args.batch_size} x {args.seq_len} in {elapsed:.2f} s "
+        f"(workers={args.workers}, preset/model={args.model or args.preset}, "
+        f"data={args.data or args.dataset_path})"
+    )
     print(f"  {samples / elapsed:,.0f} samples/s  {tokens / elapsed:,.0f} tokens/s  "
           f"{ms_per_batch:.1f} ms/batch  skipped: {sum(loader.stats().values())}")
     if args.gpu_step_ms:

@@ -4,7 +4,8 @@ against the size of one rank's shard.
     # GPU host, 8 ranks, the largest llama_omni flavor that fits:
     torchrun --nproc_per_node 8 scripts/bench_loading.py --model llama_omni --flavor auto
     # CPU smoke test (one process):
-    TORCHTITAN_OMNI_DEVICE=cpu python scripts/bench_loading.py --model llama_omni --flavor debugmodel
+    TORCHTITAN_OMNI_DEVICE=cpu python scripts/bench_loading.py \
+        --model llama_omni --flavor debugmodel
 
 Rank 0 first writes an HF-format checkpoint of random weights (``--dtype``, bfloat16 by default,
 one folder per part with a Hugging Face adapter, 2 GB shards) under ``--dir``, unless a
@@ -91,8 +92,10 @@ def pick_flavor(args, overrides: list[str], world: int) -> str:
         # the writer holds one float32 tensor and its cast; a rank holds its shard
         fits = shard < 0.8 * device and largest * 6 < 0.5 * host and ckpt < 0.8 * disk
         if dist.get_rank() == 0:
-            print(f"flavor {flavor}: {total / 1e9:.2f}B elements, shard {shard / GiB:.2f} GiB/rank, "
-                  f"checkpoint {ckpt / GiB:.2f} GiB: {'fits' if fits else 'does not fit'}")
+            print(
+                f"flavor {flavor}: {total / 1e9:.2f}B elements, shard {shard / GiB:.2f} GiB/rank, "
+                f"checkpoint {ckpt / GiB:.2f} GiB: {'fits' if fits else 'does not fit'}"
+            )
         if fits and total > best_numel:
             best, best_numel = flavor, total
     if best is None:
@@ -100,7 +103,9 @@ def pick_flavor(args, overrides: list[str], world: int) -> str:
     return best
 
 
-def write_random_checkpoint(model, folder: str, dtype: torch.dtype, shard_bytes: int) -> dict[str, str]:
+def write_random_checkpoint(
+    model, folder: str, dtype: torch.dtype, shard_bytes: int
+) -> dict[str, str]:
     """One HF folder of random tensors per part with an adapter; returns part -> folder."""
     out = {}
     g = torch.Generator().manual_seed(0)
@@ -151,8 +156,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a registered model spec (or give --config)")
     parser.add_argument("--config", help="a job TOML instead of --model")
-    parser.add_argument("--flavor", default="auto", help="a flavor, or auto (the largest that fits)")
-    parser.add_argument("--dir", default="./bench_out/hf_random", help="where the checkpoint is written")
+    parser.add_argument(
+        "--flavor", default="auto", help="a flavor, or auto (the largest that fits)"
+    )
+    parser.add_argument(
+        "--dir", default="./bench_out/hf_random", help="where the checkpoint is written"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--shard-gb", type=float, default=2.0)
     parser.add_argument("--json", help="append the per-rank results to this JSON-lines file")
@@ -172,7 +181,9 @@ def main() -> None:
         parts = write_random_checkpoint(model_on_meta(cfg), folder, DTYPES[args.dtype],
                                         int(args.shard_gb * GiB))
         open(marker, "w").close()
-        print(f"wrote {', '.join(parts)} to {folder} in {time.monotonic() - begin:.0f}s", flush=True)
+        print(
+            f"wrote {', '.join(parts)} to {folder} in {time.monotonic() - begin:.0f}s", flush=True
+        )
     barrier()
     sources = [f"{p}={os.path.join(folder, p)}" for p in exportable_parts(model_on_meta(cfg))]
 
@@ -206,8 +217,12 @@ def main() -> None:
     result["host_peak_over_before_gib"] = result["host_peak_gib"] - result["host_rss_before_gib"]
     if not is_cpu():
         result["device_peak_gib"] = torch.cuda.max_memory_allocated() / GiB
-        result["device_peak_over_before_gib"] = (torch.cuda.max_memory_allocated() - dev_before) / GiB
-    line = "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
+        result["device_peak_over_before_gib"] = (
+            torch.cuda.max_memory_allocated() - dev_before
+        ) / GiB
+    line = "  ".join(
+        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
+    )
     print(f"[rank {rank}] {line}", flush=True)
     if args.json:
         with open(args.json, "a") as f:

@@ -42,7 +42,11 @@ from torchtitan_omni.protocols.modules import AttentionMeta
 from torchtitan_omni.protocols.plan import OmniParallelPlan, PartLayout
 
 PLAN = OmniParallelPlan(
-    parts=(PartLayout("llm", fsdp_units=("tok_embeddings", "layers.*", "output"), ac_units=("layers.*",)),),
+    parts=(
+        PartLayout(
+            "llm", fsdp_units=("tok_embeddings", "layers.*", "output"), ac_units=("layers.*",)
+        ),
+    ),
     sequence_parallel_attention=("llm.layers.*.attention",),
 )
 
@@ -57,7 +61,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=8192)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--doc-len", type=int, default=0, help="mean document length (0: seq-len / 4)")
-    p.add_argument("--sp", default="", help="comma-separated SP degrees (default: all dividing the world)")
+    p.add_argument(
+        "--sp", default="", help="comma-separated SP degrees (default: all dividing the world)"
+    )
     p.add_argument("--modes", default="sync,async")
     p.add_argument("--ac", default="full", choices=["none", "full"])
     p.add_argument("--steps", type=int, default=8)
@@ -90,7 +96,10 @@ def packed_batch(args, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor
     positions = torch.zeros_like(tokens)
     bounds, start = [0], 0
     while start < args.seq_len:
-        n = min(int(torch.randint(mean // 2, mean * 3 // 2 + 1, (1,), generator=g)), args.seq_len - start)
+        n = min(
+            int(torch.randint(mean // 2, mean * 3 // 2 + 1, (1,), generator=g)),
+            args.seq_len - start,
+        )
         positions[0, start:start + n] = torch.arange(n)
         start += n
         bounds.append(start)
@@ -131,7 +140,9 @@ def step(model, dims, batch, labels, device, loss_fn, opt) -> None:
 
 
 def run_config(args, world: int, sp: int, async_op: bool, device) -> dict:
-    dims = OmniParallelDims(dp_shard=-1, dp_replicate=1, cp=sp, tp=1, pp=1, ep=1, etp=1, world_size=world)
+    dims = OmniParallelDims(
+        dp_shard=-1, dp_replicate=1, cp=sp, tp=1, pp=1, ep=1, etp=1, world_size=world
+    )
     dims.build_mesh()
     model = build(args, dims, job_config(args, sp, async_op), device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)

@@ -358,8 +358,9 @@ class DocumentBuilder:
             nonlocal used, media
             for m in sorted(pools, key=lambda m: per[m] / weights[m]):
                 # + 1: the newline after the placeholder
-                path = pools[m].take(lambda p: used + self.stats.tokens(m, p) + 1 <= budget
-                                     and media + self.stats.tokens(m, p) <= cap)
+                # the predicate runs inside take(), before the loop variables move on
+                path = pools[m].take(lambda p: used + self.stats.tokens(m, p) + 1 <= budget  # noqa: B023
+                                     and media + self.stats.tokens(m, p) <= cap)  # noqa: B023
                 if path is not None:
                     t = self.stats.tokens(m, path)
                     parts.append(f"<{m}>\n")

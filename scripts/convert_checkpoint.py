@@ -125,7 +125,9 @@ def dcp_to_hf(config: str, overrides: list[str], checkpoint: str, out: str,
     return done
 
 
-def hf_to_dcp(config: str, overrides: list[str], sources: list[str], out: str, step: int = 0) -> str:
+def hf_to_dcp(
+    config: str, overrides: list[str], sources: list[str], out: str, step: int = 0
+) -> str:
     """Load Hugging Face (or DCP) sources into the sharded model and save it as DCP."""
     import torch.distributed as dist
 
@@ -161,7 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--checkpoint", required=True, help="a step-N folder or a checkpoint folder")
     a.add_argument("--out", required=True)
     a.add_argument("--parts", help="comma-separated parts (default: every part with an adapter)")
-    a.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors (default: as saved)")
+    a.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="cast floating tensors (default: as saved)"
+    )
     a.add_argument("--max-shard-size", default="5GB")
     a.add_argument("--adapter-only", action="store_true",
                    help="LoRA runs: write only what trained (adapters) to OUT/"

@@ -43,11 +43,15 @@ def summarize(path: str, top: int = 20) -> str:
         by_name[e["name"][:90]] += e["dur"]
         by_kind[kind(e["name"])] += e["dur"]
     comm = by_kind.get("communication", 0.0)
-    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if kind(e["name"]) != "communication"])
+    busy = _union(
+        [(e["ts"], e["ts"] + e["dur"]) for e in kernels if kind(e["name"]) != "communication"]
+    )
     lines = [f"{path}: GPU window {wall_us / 1e3:.1f} ms, compute kernels busy {busy / 1e3:.1f} ms "
              f"({100 * busy / wall_us:.0f}%), communication kernels {comm / 1e3:.1f} ms (their own "
              "stream, overlapping)"]
-    lines += [f"  {k:14s} {v / 1e3:9.1f} ms" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+    lines += [
+        f"  {k:14s} {v / 1e3:9.1f} ms" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+    ]
     lines.append("  top kernels:")
     for name, dur in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {dur / 1e3:9.1f} ms  {name}")
@@ -67,23 +71,36 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def idle_gaps(events: list[dict], kernels: list[dict], top: int, min_us: float = 2000.0) -> list[str]:
+def idle_gaps(
+    events: list[dict], kernels: list[dict], top: int, min_us: float = 2000.0
+) -> list[str]:
     """The longest stretches with no compute kernel running, each with the host ops that were
     running when it began (what the GPU was waiting for)."""
-    compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if kind(e["name"]) != "communication")
+    compute = sorted(
+        (e["ts"], e["ts"] + e["dur"]) for e in kernels if kind(e["name"]) != "communication"
+    )
     gaps, end = [], None
     for start, stop in compute:
         if end is not None and start - end >= min_us:
             gaps.append((start - end, end))
         end = stop if end is None else max(end, stop)
-    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation")
-            and "dur" in e]
+    host = [
+        e
+        for e in events
+        if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation")
+        and "dur" in e
+    ]
     # Idle time outside these gaps is spread over short ones: kernels shorter than the host
     # needs to launch the next (a launch-bound phase).
-    out = [f"  GPU compute idle in gaps >= {min_us / 1e3:.0f} ms: {sum(g for g, _ in gaps) / 1e3:.1f} ms "
-           f"({len(gaps)} gaps); longest, with the host ops open at their start:"]
+    out = [
+        f"  GPU compute idle in gaps >= {min_us / 1e3:.0f} ms: "
+        f"{sum(g for g, _ in gaps) / 1e3:.1f} ms "
+        f"({len(gaps)} gaps); longest, with the host ops open at their start:"
+    ]
     for gap, at in sorted(gaps, reverse=True)[:top]:
-        open_ops = sorted((e for e in host if e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: -e["ts"])
+        open_ops = sorted(
+            (e for e in host if e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: -e["ts"]
+        )
         names = " < ".join(dict.fromkeys(str(e["name"])[:60] for e in open_ops[:4]))
         out.append(f"  {gap / 1e3:9.1f} ms  {names or '(no host op)'}")
     return out

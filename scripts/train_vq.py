@@ -100,7 +100,7 @@ def builtin_images(size: int, crops_per_photo: int, seed: int = 0):
             continue
         try:
             arr = getattr(skimage.data, name)()
-        except Exception:  # photos that need a download (pooch) are skipped offline
+        except Exception:  # noqa: BLE001  (photos that need a download (pooch) are skipped offline)
             continue
         if getattr(arr, "ndim", 0) not in (2, 3) or min(arr.shape[:2]) < size:
             continue
@@ -109,7 +109,8 @@ def builtin_images(size: int, crops_per_photo: int, seed: int = 0):
             held["photos"] += random_crops(rgb(arr), size, crops_per_photo // 2, g)
         else:
             train += random_crops(rgb(arr), size, crops_per_photo, g)
-    source = f"builtin: {len(digits)} digits, {len(faces)} faces, {len(photos)} photos ({', '.join(photos)})"
+    source = (f"builtin: {len(digits)} digits, {len(faces)} faces, {len(photos)} photos "
+              f"({', '.join(photos)})")
     return _pack(train, held, source)
 
 
@@ -206,8 +207,11 @@ def evaluate_groups(vq, held: dict[str, torch.Tensor], device: torch.device) -> 
 def print_figures(figures: dict) -> None:
     for name, r in figures.items():
         if name != "step":
-            print(f"held-out {name:>8}: MSE {r['mse']:.5f} (pixels in [-1, 1]), PSNR {r['psnr_db']:.2f} dB "
-                  f"over {r['images']} images, {r['codes_used']} codes used")
+            print(
+                f"held-out {name:>8}: MSE {r['mse']:.5f} (pixels in [-1, 1]), PSNR "
+                f"{r['psnr_db']:.2f} dB "
+                f"over {r['images']} images, {r['codes_used']} codes used"
+            )
 
 
 # ----------------------------------------------------------------------------- training
@@ -215,24 +219,39 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", choices=("debug", "real"), default="debug")
     parser.add_argument("--data", default="auto", help="auto, builtin, or a directory of images")
-    parser.add_argument("--out", default=None, help="output folder (default: assets/vq/vq_<flavor>)")
+    parser.add_argument(
+        "--out", default=None, help="output folder (default: assets/vq/vq_<flavor>)"
+    )
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--l1", type=float, default=1.0, help="weight of the L1 reconstruction loss")
-    parser.add_argument("--l2", type=float, default=1.0, help="weight of the L2 reconstruction loss")
+    parser.add_argument(
+        "--l1", type=float, default=1.0, help="weight of the L1 reconstruction loss"
+    )
+    parser.add_argument(
+        "--l2", type=float, default=1.0, help="weight of the L2 reconstruction loss"
+    )
     parser.add_argument("--restart-every", type=int, default=100)
     parser.add_argument("--crops-per-photo", type=int, default=150)
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
-    parser.add_argument("--eval", metavar="FOLDER", help="only report the held-out error of these weights")
+    parser.add_argument(
+        "--eval", metavar="FOLDER", help="only report the held-out error of these weights"
+    )
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(REPO))
-    from torchtitan_omni.decoders.vq import VQArgs, VQTokenizer, load_vq, read_vq_args, restart_dead_codes, save_vq
+    from torchtitan_omni.decoders.vq import (
+        VQArgs,
+        VQTokenizer,
+        load_vq,
+        read_vq_args,
+        restart_dead_codes,
+        save_vq,
+    )
     from torchtitan_omni.modules.init import init_context
 
     if args.threads:
@@ -292,8 +311,11 @@ def main(argv: list[str] | None = None) -> dict:
                 restarted = restart_dead_codes(vq.quantizer, usage, out.z_flat.detach(), g)
             usage.zero_()
             if step % (args.restart_every * 5) == 0:
-                print(f"step {step}: loss {float(loss.detach()):.4f} l2 {float(out.l2.detach()):.4f} "
-                      f"restarted {restarted} codes, {time.time() - start:.0f}s", flush=True)
+                print(
+                    f"step {step}: loss {float(loss.detach()):.4f} l2 {float(out.l2.detach()):.4f} "
+                    f"restarted {restarted} codes, {time.time() - start:.0f}s",
+                    flush=True,
+                )
         if step % args.eval_every == 0 or step == args.steps:
             history.append({"step": step, **evaluate_groups(vq, held, device)})
             print(f"step {step}: held-out {history[-1]['all']}", flush=True)

@@ -8,10 +8,10 @@ os.environ.setdefault("TORCHTITAN_OMNI_DEVICE", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # "tests.*" fixtures importable
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-import torchtitan_omni  # noqa: E402,F401  (select the device before TorchTitan loads)
+import torchtitan_omni  # noqa: F401  (select the device before TorchTitan loads)
 
 torch.set_num_threads(1)
 

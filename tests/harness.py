@@ -43,7 +43,9 @@ def _worker(rank, world_size, port, fn, args, out_dir):
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:  # report every failure to the parent
-        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        torch.save(
+            {"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt")
+        )
         raise
     finally:
         dist.destroy_process_group()

@@ -75,7 +75,10 @@ def test_row_attention_is_exact_for_single_document_rows():
     torch.manual_seed(2)
     b, s, real = 2, 16, (11, 16)
     q = torch.randn(b, s, 4, 8, dtype=torch.float64)
-    k, v = torch.randn(b, s, 2, 8, dtype=torch.float64), torch.randn(b, s, 2, 8, dtype=torch.float64)
+    k, v = (
+        torch.randn(b, s, 2, 8, dtype=torch.float64),
+        torch.randn(b, s, 2, 8, dtype=torch.float64),
+    )
     cu = torch.tensor([0, 11, 16, 32], dtype=torch.int32)
     assert whole_rows(cu, b, torch.tensor(sum(real)))
     ref = _dense_reference(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, True)

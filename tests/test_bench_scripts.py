@@ -10,9 +10,10 @@ from tests.harness import load_script as _script
 
 
 OMNI_LINE = (
-    "[rank0]:[titan] 2026-11-22 18:07:05,202 - root - INFO - \x1b[31mstep: 11  \x1b[32mloss:  7.39948 "
-    "(text: 7.39948  gen_image: 0.00000)  \x1b[38;2;180;60;0mgrad_norm:  4.2762  \x1b[38;2;54;234;195m"
-    "memory: 74.12GiB(53.01%)  \x1b[34mtps: 4,424  \x1b[36mtflops: 226.62  \x1b[35mmfu: 22.91%\x1b[39m"
+    "[rank0]:[titan] 2026-11-22 18:07:05,202 - root - INFO - \x1b[31mstep: 11  \x1b[32mloss:  "
+    "7.39948 (text: 7.39948  gen_image: 0.00000)  \x1b[38;2;180;60;0mgrad_norm:  4.2762  "
+    "\x1b[38;2;54;234;195mmemory: 74.12GiB(53.01%)  \x1b[34mtps: 4,424  \x1b[36mtflops: 226.62  "
+    "\x1b[35mmfu: 22.91%\x1b[39m"
 )
 STOCK_LINE = (
     "[rank0]:[titan] 2026-11-22 18:06:10,000 - root - INFO - step: 12  loss:  7.21135  "

@@ -34,8 +34,9 @@ def float8_allowed(monkeypatch):
 
 
 def _job(*extra):
-    return parse_job_config(["--job.config_file", str(REPO / "train_configs" / "llama_omni_debug.toml"),
-                             *extra])
+    return parse_job_config(
+        ["--job.config_file", str(REPO / "train_configs" / "llama_omni_debug.toml"), *extra]
+    )
 
 
 def test_filters_are_added_only_with_float8(float8_allowed):

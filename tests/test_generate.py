@@ -88,7 +88,10 @@ def test_image_generation_with_cfg_matches_no_cache_reference(generator):
     assert codes.shape == (1, decoder.processing().num_tokens())
     from torchtitan_omni.data.template import generation_prompt
 
-    rows = [generation_prompt(gen.tok, caption), generation_prompt(gen.tok, caption, unconditional=True)]
+    rows = [
+        generation_prompt(gen.tok, caption),
+        generation_prompt(gen.tok, caption, unconditional=True),
+    ]
     h = gen.model.llm.tok_embeddings(torch.tensor(rows))
     cache = KVCache()
     cached = gen._forward(h, cache)[:, -1]

@@ -6,7 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan_omni.modules.linear_cross_entropy import LinearHead, chunk_rows, linear_cross_entropy
+from torchtitan_omni.modules.linear_cross_entropy import (
+    LinearHead,
+    chunk_rows,
+    linear_cross_entropy,
+)
 
 
 def _reference(hidden, weight, bias, targets):

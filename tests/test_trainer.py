@@ -14,7 +14,9 @@ CONFIG = "tests/configs/synthetic.toml"
 
 @pytest.mark.slow
 def test_loss_decreases_on_two_ranks():
-    run = run_train(CONFIG, 2, "--training.steps", "12", "--job.dump_folder", "outputs/test_trainer_a")
+    run = run_train(
+        CONFIG, 2, "--training.steps", "12", "--job.dump_folder", "outputs/test_trainer_a"
+    )
     assert run.returncode == 0, run.output[-3000:]
     losses = run.loss_list()
     assert len(losses) == 12

@@ -135,13 +135,15 @@ class FlopCounter:
         self.head_params = _numel(output.parameters()) if output is not None else 0
         self.body_params = active_llm_params(model) - self.head_params
         self.encoders: dict[str, _EncoderCost] = {}
-        for name, enc in getattr(model, "encoders", {}).items():
+        for enc in getattr(model, "encoders", {}).values():
             cost = _EncoderCost(enc)
             for modality in enc.modalities:
                 self.encoders[modality] = cost
         self.decoders: dict[str, float] = {}
         for name, dec in getattr(model, "decoders", {}).items():
-            lookups = {id(p) for m in dec.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+            lookups = {
+                id(p) for m in dec.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+            }
             self.decoders[name] = float(_numel(
                 p for p in dec.parameters() if p.requires_grad and id(p) not in lookups
             ))

@@ -99,7 +99,9 @@ class Generator:
     def _forward(self, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run the foundation on new embeddings ``[n, s, dim]`` after ``len(cache)`` positions."""
         start = len(cache)
-        positions = torch.arange(start, start + h.shape[1], device=self.device).expand(h.shape[0], -1)
+        positions = torch.arange(start, start + h.shape[1], device=self.device).expand(
+            h.shape[0], -1
+        )
         return self.model.llm(h, AttentionMeta(None, 0, positions, kv_cache=cache))
 
     def prompt_batch(self, prompt: str, media: list[str]) -> dict[str, torch.Tensor]:
@@ -123,13 +125,22 @@ class Generator:
         doc = encoder.encode(sample, random.Random(0))[0]
         # Drop the sample's closing eos and open the assistant turn instead.
         tokens = np.concatenate([doc.tokens[:-1], [self.tok.special.role("assistant")]])
-        prompt_doc = Document(tokens, np.zeros(len(tokens), dtype=bool), doc.media, doc.pad_positions)
+        prompt_doc = Document(
+            tokens, np.zeros(len(tokens), dtype=bool), doc.media, doc.pad_positions
+        )
         batch, _ = collate([[prompt_doc]], len(tokens), self.tok.special.pad, self.processors)
         return {k: v.to(self.device) for k, v in batch.items()}
 
     @torch.no_grad()
-    def text(self, prompt: str, media: list[str] = (), max_new_tokens: int = 64,
-             temperature: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None) -> list[int]:
+    def text(
+        self,
+        prompt: str,
+        media: list[str] = (),
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> list[int]:
         """Token ids of the answer to ``prompt`` (stops at end-of-turn or end-of-text)."""
         return self.answer(self.prompt_batch(prompt, list(media)), max_new_tokens, temperature,
                            top_k, generator)
@@ -161,7 +172,9 @@ class Generator:
         """Image-decoder ids ``[num_images, tokens_per_image]`` for ``caption``."""
         if B.GEN_IMAGE not in self.model.decoders:
             raise ConfigError(
-                f"generate.mode='image' needs an image decoder; {type(self.model).__name__} has none")
+                f"generate.mode='image' needs an image decoder; {type(self.model).__name__} has "
+                "none"
+            )
         decoder = self.model.decoders[B.GEN_IMAGE]
         per_image = decoder.processing().num_tokens()
         cond = generation_prompt(self.tok, caption)
@@ -185,7 +198,8 @@ class Generator:
 
     @torch.no_grad()
     def images(self, caption: str, **kwargs) -> torch.Tensor:
-        """Images ``[n, 3, H, W]`` in ``[-1, 1]`` drawn for ``caption`` (see :meth:`image_codes`)."""
+        """Images ``[n, 3, H, W]`` in ``[-1, 1]`` drawn for ``caption`` (see
+        :meth:`image_codes`)."""
         codes = self.image_codes(caption, **kwargs)
         return self.model.decoders[B.GEN_IMAGE].lm_generate(codes)
 
@@ -194,7 +208,9 @@ def save_png(image: torch.Tensor, path: str) -> None:
     """Write an image ``[3, H, W]`` in ``[-1, 1]`` as PNG."""
     from PIL import Image
 
-    pixels = ((image.float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy()
+    pixels = (
+        ((image.float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy()
+    )
     Image.fromarray(pixels).save(path)
 
 

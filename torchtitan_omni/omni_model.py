@@ -114,7 +114,9 @@ class OmniModel(ModelProtocol):
         counts = {TEXT_LOSS: (labels != B.IGNORE_INDEX).sum()}
         for name in self.decoders:
             idx = batch.get(B.target_index_key(name))
-            counts[name] = (idx >= 0).sum() if idx is not None else torch.zeros((), dtype=torch.long)
+            counts[name] = (
+                (idx >= 0).sum() if idx is not None else torch.zeros((), dtype=torch.long)
+            )
         return counts
 
     # ----------------------------------------------------------------- forward
@@ -123,7 +125,9 @@ class OmniModel(ModelProtocol):
         """Input embeddings with media scattered in, and the decoders' target ids."""
         h = self.llm.tok_embeddings(tokens)
         for enc_name, encoder in self.encoders.items():
-            modalities = [m for m, e in self.encoder_of.items() if e == enc_name and m not in absent]
+            modalities = [
+                m for m, e in self.encoder_of.items() if e == enc_name and m not in absent
+            ]
             passes = [modalities] if encoder.merge_modalities else [[m] for m in modalities]
             for group in passes:
                 if group:
@@ -168,7 +172,7 @@ class OmniModel(ModelProtocol):
         merged = {k: torch.cat([media[k] for media, _ in local.values()]) for k in next(iter(keys))}
         rows = encoder(merged, next(iter(local)))
         sizes = [encoder.output_rows(media, modality) for modality, (media, _) in local.items()]
-        for (media, index), part in zip(local.values(), rows.split(sizes)):
+        for (_, index), part in zip(local.values(), rows.split(sizes)):
             h = _scatter_rows(h, index, part)
         return h
 

@@ -40,4 +40,3 @@ def omni_train_spec(model_cls, model_args: Mapping[str, object], state_dict_adap
         build_metrics_processor_fn=build_omni_metrics_processor,
         state_dict_adapter=state_dict_adapter,
     )
-

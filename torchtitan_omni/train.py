@@ -23,7 +23,6 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torchtitan_omni  # noqa: F401  (selects the device before TorchTitan's trainer loads)
 import torch
@@ -126,7 +125,9 @@ class OmniTrainer(Trainer):
         model = self.model_parts[0]
 
         microbatches = []
-        local_counts: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.long))
+        local_counts: dict[str, torch.Tensor] = defaultdict(
+            lambda: torch.zeros((), dtype=torch.long)
+        )
         for _ in range(self.gradient_accumulation_steps):
             batch, labels = next(data_iterator)
             self.metrics_processor.flops_since_last_log += self.flop_counter.batch(
@@ -179,7 +180,11 @@ class OmniTrainer(Trainer):
         )
         # Largest per-rank mean of the text loss (TorchTitan's global_max_loss).
         text = "text"
-        local_text = sums[text].float() * global_counts[text].clamp(min=1) / local_counts[text].clamp(min=1).to(self.device)
+        local_text = (
+            sums[text].float()
+            * global_counts[text].clamp(min=1)
+            / local_counts[text].clamp(min=1).to(self.device)
+        )
         max_loss = float(all_reduce(local_text.reshape(1), loss_mesh, op="max")[0])
         self.last_losses = losses
         self.metrics_processor.log_losses(

@@ -109,7 +109,9 @@ def rank0(value):
     return value if not dist.is_initialized() or dist.get_rank() == 0 else None
 
 
-def tiny_hf_llama(folder: str, dtype=torch.float32, max_shard_size: str | None = "40KB", seed: int = 0):
+def tiny_hf_llama(
+    folder: str, dtype=torch.float32, max_shard_size: str | None = "40KB", seed: int = 0
+):
     """A random ``LlamaForCausalLM`` shaped like ``spec.tiny_llama()``, saved to ``folder``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -195,8 +197,11 @@ class MiniTrainer:
         self.cfg = cfg
         self.optimizers = build_optimizers([self.model], cfg.optimizer, self.dims)
         self.schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
-        dp_rank, dp = (self.dims.get_mesh("batch").get_local_rank(), self.dims.get_mesh("batch").size()) \
-            if self.dims.dp_enabled else (0, 1)
+        dp_rank, dp = (
+            (self.dims.get_mesh("batch").get_local_rank(), self.dims.get_mesh("batch").size())
+            if self.dims.dp_enabled
+            else (0, 1)
+        )
         self.loader = CursorLoader(dp_rank, dp, cfg.training.local_batch_size, cfg.training.seq_len)
         self.state = StepState()
         self.manager = OmniCheckpointManager(

@@ -23,7 +23,9 @@ def hf(tmp_path_factory):
     llama = str(tmp_path_factory.mktemp("hf_llama"))
     moe = str(tmp_path_factory.mktemp("hf_moe"))
     models = {"llama": tiny_hf_llama(llama), "moe": tiny_hf_moe(moe)}
-    assert file_count(llama) > 1 and os.path.isfile(os.path.join(llama, "model.safetensors.index.json"))
+    assert file_count(llama) > 1 and os.path.isfile(
+        os.path.join(llama, "model.safetensors.index.json")
+    )
     with torch.no_grad():
         logits = {k: m(TOKENS).logits for k, m in models.items()}
     return {

@@ -70,7 +70,9 @@ class CkptModel(OmniModel):
         super().__init__(llm, plan=plan(args.moe))
 
 
-def make_row(index: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+def make_row(
+    index: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Row ``index`` of the stream: tokens, positions, labels and document ends."""
     g = torch.Generator().manual_seed(1_000_003 + index)
     tokens = torch.zeros(seq_len, dtype=torch.long)

@@ -36,7 +36,9 @@ def test_dcp_hf_dcp_round_trip_is_exact(two_ranks, checkpoint_folders, flavor):
     for key, value in before.items():
         assert torch.equal(value, after[key]), key
     manifest = json.load(open(os.path.join(imported, "omni_manifest.json")))
-    assert manifest["model_only"] and manifest["step"] == 0 and manifest["layout"]["world_size"] == 2
+    assert (
+        manifest["model_only"] and manifest["step"] == 0 and manifest["layout"]["world_size"] == 2
+    )
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
@@ -114,7 +116,9 @@ def test_every_part_of_a_zoo_model_round_trips(spec, tmp_path):
 
     original = model(1)
     dcp.save(get_model_state_dict(original), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    parts = load_convert_script().dcp_to_hf(config, overrides, str(tmp_path / "dcp"), str(tmp_path / "hf"))
+    parts = load_convert_script().dcp_to_hf(
+        config, overrides, str(tmp_path / "dcp"), str(tmp_path / "hf")
+    )
     assert "llm" in parts and any(p.startswith("encoders.") for p in parts)
     other = model(2)
     load_initial_weights(other, [f"{p}={folder}" for p, folder in parts.items()])

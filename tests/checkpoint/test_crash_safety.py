@@ -114,7 +114,9 @@ def scenarios(tmp_path_factory):
     for mode, proc in procs.items():
         _, errors[mode] = proc.communicate(timeout=300)
         codes[mode] = proc.returncode
-    listings = {m: sorted(os.listdir(folders[m])) if os.path.isdir(folders[m]) else [] for m in MODES}
+    listings = {
+        m: sorted(os.listdir(folders[m])) if os.path.isdir(folders[m]) else [] for m in MODES
+    }
     (result,) = run_distributed(_scenarios, 1, folders, str(root / "damaged"), str(root / "async"))
     return {"codes": codes, "errors": errors, "listings": listings, "states": states,
             "folders": folders, **result}

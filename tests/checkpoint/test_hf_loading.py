@@ -121,7 +121,9 @@ def test_missing_unexpected_and_mismatched_keys_are_named(hf, tmp_path):
     bad = _rewrite(hf["folders"]["llama"], str(tmp_path / "bad"), breaks)
     msg = _load_error(bad)
     assert "3 problem(s)" in msg, msg
-    assert f"missing Hugging Face tensor {key} (source of llm.layers.1.feed_forward.w3.weight)" in msg
+    assert (
+        f"missing Hugging Face tensor {key} (source of llm.layers.1.feed_forward.w3.weight)" in msg
+    )
     assert "unexpected Hugging Face tensor model.layers.0.self_attn.q_proj.bias" in msg
     assert "shape mismatch: llm.norm.weight (32,) needs model.norm.weight of shape (32,)" in msg
     assert f"{os.path.join(bad, 'model.safetensors')} has (31,)" in msg
@@ -140,13 +142,17 @@ def test_bad_sources_fail_clearly(hf, tmp_path):
 
     with pytest.raises(ValueError, match="not 'part=path'"):
         parse_sources(["llm"])
-    with pytest.raises(ValueError, match="overlapping parts 'encoders.vision' and 'encoders.vision.merger'"):
+    with pytest.raises(
+        ValueError, match="overlapping parts 'encoders.vision' and 'encoders.vision.merger'"
+    ):
         parse_sources(["encoders.vision=/a", "encoders.vision.merger=/b"])
     with pytest.raises(ValueError, match=r"part 'vision', which is not a module .*parts: llm"):
         load_initial_weights(plain_model("llama"), [f"vision={hf['folders']['llama']}"])
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert "neither a Hugging Face safetensors folder nor a DCP checkpoint" in _load_error(str(empty))
+    assert "neither a Hugging Face safetensors folder nor a DCP checkpoint" in _load_error(
+        str(empty)
+    )
     assert "no such folder" in _load_error(str(tmp_path / "nowhere"))
     # The MoE checkpoint into the Llama model: every problem listed, capped, tensors named.
     msg = _load_error(hf["folders"]["moe"])

@@ -19,7 +19,9 @@ def _same(saved: dict, loaded: dict, what: str) -> None:
     # (RNG states are restored only under the same layout: not compared here)
     tensors = [k for k, v in saved.items() if isinstance(v, torch.Tensor) and k != "rng"]
     assert any(k.startswith("optimizer.") for k in tensors), "no optimizer state was saved"
-    assert set(tensors) == {k for k, v in loaded.items() if isinstance(v, torch.Tensor) and k != "rng"}, what
+    assert set(tensors) == {
+        k for k, v in loaded.items() if isinstance(v, torch.Tensor) and k != "rng"
+    }, what
     for key in tensors:
         assert torch.equal(saved[key], loaded[key]), f"{what}: {key} differs from the saved one"
     assert loaded["lr_step"] == saved["lr_step"] == 2, what

@@ -55,7 +55,9 @@ def test_every_modality_loads_without_skips(built, split):
     cfg = job_config("--training.dataset", "omni_default", "--training.dataset_path", str(path),
                      "--model.hf_assets_path", str(tok_dir), "--training.seq_len", "512",
                      "--training.local_batch_size", "2", "--data.split", split)
-    loader = build_omni_dataloader(1, 0, OmniTokenizer(str(tok_dir)), cfg, processing=DEBUG_PROCESSING)
+    loader = build_omni_dataloader(
+        1, 0, OmniTokenizer(str(tok_dir)), cfg, processing=DEBUG_PROCESSING
+    )
     seen = set()
     it = iter(loader)
     for _ in range(12):
@@ -141,7 +143,9 @@ def test_long_context_builder_fills_rows_that_fit(built, tmp_path):
         "--training.dataset_path", str(path), "--model.hf_assets_path", str(tok_dir),
     ])
     assert manifest["rows"] == 3
-    assert 0.85 * 2048 < manifest["tokens_per_row"]["min"] <= manifest["tokens_per_row"]["max"] <= 2048
+    assert (
+        0.85 * 2048 < manifest["tokens_per_row"]["min"] <= manifest["tokens_per_row"]["max"] <= 2048
+    )
     assert manifest["images_per_row"] >= 3 and manifest["videos_per_row"] >= 1
     # the toy workload's summary: thumbnails, a small share of the tokens
     assert manifest["workload"] == "toy" and set(manifest["modalities"]) == {"image", "video"}

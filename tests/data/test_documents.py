@@ -98,7 +98,9 @@ def test_label_masking_prompts_placeholders_and_roles(tok, tmp_path):
     assert (labels[at_media] == -100).all()
     assert labels[-1] == -100  # document end
 
-    unmasked, = _encoder(tok, tmp_path, mask_prompt_labels=False).encode(parse_row(row, SRC), random.Random(0))
+    (unmasked,) = _encoder(tok, tmp_path, mask_prompt_labels=False).encode(
+        parse_row(row, SRC), random.Random(0)
+    )
     lab = unmasked.labels()
     assert set(tok.encode_text("Sure?")) <= set(int(t) for t in lab if t != -100)
     assert (lab[np.isin(unmasked.tokens, [pad])] == -100).all()
@@ -156,16 +158,30 @@ def test_generation_layout_and_batch_indices(tok, tmp_path):
 
 def test_cfg_drop_replaces_caption_with_pad(tok, tmp_path):
     row = {"caption": "a red seven", "gen_image": write_png(tmp_path / "g.png", 16, 16)}
-    kept, = _encoder(tok, tmp_path, gen_cfg_drop_prob=0.0).encode(parse_row(row, SRC), random.Random(0))
-    dropped, = _encoder(tok, tmp_path, gen_cfg_drop_prob=1.0).encode(parse_row(row, SRC), random.Random(0))
+    (kept,) = _encoder(tok, tmp_path, gen_cfg_drop_prob=0.0).encode(
+        parse_row(row, SRC), random.Random(0)
+    )
+    (dropped,) = _encoder(tok, tmp_path, gen_cfg_drop_prob=1.0).encode(
+        parse_row(row, SRC), random.Random(0)
+    )
     s = int(kept.gen_starts[0])
     assert dropped.tokens[0] == tok.special.bos
     assert (dropped.tokens[1:s] == tok.special.pad).all()
     assert (dropped.tokens[s:] == kept.tokens[s:]).all()
-    assert dropped.tokens[:s + 1].tolist() == generation_prompt(tok, "a red seven", unconditional=True)
-    rate = np.mean([
-        (_encoder(tok, tmp_path, gen_cfg_drop_prob=0.3).encode(parse_row(row, SRC), random.Random(k))[0]
-         .tokens[1] == tok.special.pad) for k in range(400)])
+    assert dropped.tokens[: s + 1].tolist() == generation_prompt(
+        tok, "a red seven", unconditional=True
+    )
+    rate = np.mean(
+        [
+            (
+                _encoder(tok, tmp_path, gen_cfg_drop_prob=0.3)
+                .encode(parse_row(row, SRC), random.Random(k))[0]
+                .tokens[1]
+                == tok.special.pad
+            )
+            for k in range(400)
+        ]
+    )
     assert 0.22 < rate < 0.38
 
 

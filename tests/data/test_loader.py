@@ -138,7 +138,9 @@ def test_shards_are_disjoint_and_cover_the_split(dataset):
         src = RowSource(files, streaming=streaming, seed=3)
         seen = []
         for s in range(3):
-            seen += [(src_.file, src_.row) for _, _, src_ in src.shard_rows(ShardSpec(s, 3), epoch=1)]
+            seen += [
+                (src_.file, src_.row) for _, _, src_ in src.shard_rows(ShardSpec(s, 3), epoch=1)
+            ]
         assert len(seen) == len(set(seen)) == N_ROWS
     a = [r for _, r, _ in RowSource(files, seed=3).shard_rows(ShardSpec(0, 1), epoch=0)]
     b = [r for _, r, _ in RowSource(files, seed=3).shard_rows(ShardSpec(0, 1), epoch=1)]
@@ -182,19 +184,33 @@ def _bad_dataset(root):
                              {"role": "assistant", "content": "fine"}], "images": images}
 
     rows = [
-        {"text": "good text one"},                                   # 0
-        img("<image> missing", ["nope.png"]),                        # 1 missing_media
-        img("<image> corrupt", ["corrupt.png"]),                     # 2 corrupt_media
-        {"messages": [{"role": "user", "content": "<audio> bad"},
-                      {"role": "assistant", "content": "x"}], "audios": ["corrupt.wav"]},  # 3 corrupt
-        img("<img> unknown", ["ok.png"]),                            # 4 unknown_placeholder
-        img("<image><image> two", ["ok.png"]),                       # 5 placeholder_mismatch
-        {"messages": [{"role": "user", "content": "long " * 400},
-                      {"role": "assistant", "content": "x"}]},       # 6 too_long
-        img("<image> fine", ["ok.png"]),                             # 7
-        {"messages": [{"role": "user", "content": "<video>"},
-                      {"role": "assistant", "content": "x"}], "videos": ["clip.mp4"]},  # 8 disabled
-        {"nothing": 1},                                              # 9 malformed_row
+        {"text": "good text one"},  # 0
+        img("<image> missing", ["nope.png"]),  # 1 missing_media
+        img("<image> corrupt", ["corrupt.png"]),  # 2 corrupt_media
+        {
+            "messages": [
+                {"role": "user", "content": "<audio> bad"},
+                {"role": "assistant", "content": "x"},
+            ],
+            "audios": ["corrupt.wav"],
+        },  # 3 corrupt
+        img("<img> unknown", ["ok.png"]),  # 4 unknown_placeholder
+        img("<image><image> two", ["ok.png"]),  # 5 placeholder_mismatch
+        {
+            "messages": [
+                {"role": "user", "content": "long " * 400},
+                {"role": "assistant", "content": "x"},
+            ]
+        },  # 6 too_long
+        img("<image> fine", ["ok.png"]),  # 7
+        {
+            "messages": [
+                {"role": "user", "content": "<video>"},
+                {"role": "assistant", "content": "x"},
+            ],
+            "videos": ["clip.mp4"],
+        },  # 8 disabled
+        {"nothing": 1},  # 9 malformed_row
     ]
     write_jsonl(os.path.join(root, "train.jsonl"), rows)
     return rows

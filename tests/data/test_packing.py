@@ -40,7 +40,9 @@ def test_packed_attention_equals_per_document_reference():
     plan = BatchPlan(seq_len=32, rows=2, packing=True, multiple=4)
     rows = [[docs[i] for i in row] for row in plan.select([len(d) for d in docs])]
     assert sum(len(r) for r in rows) >= 4  # several documents share rows
-    batch, labels = collate(rows, plan.row_length(max(sum(len(d) for d in r) for r in rows)), PAD, {})
+    batch, labels = collate(
+        rows, plan.row_length(max(sum(len(d) for d in r) for r in rows)), PAD, {}
+    )
     cu = batch[B.CU_SEQLENS]
     meta = AttentionMeta(cu, int((cu[1:] - cu[:-1]).max()), batch[B.POSITION_IDS])
     with torch.no_grad():
@@ -52,7 +54,9 @@ def test_packed_attention_equals_per_document_reference():
                 single = AttentionMeta(torch.tensor([0, len(d)], dtype=torch.int32), len(d),
                                        torch.arange(len(d))[None])
                 ref = attn(x, single)[0]
-                torch.testing.assert_close(packed[r, offset:offset + len(d)], ref, rtol=1e-10, atol=1e-12)
+                torch.testing.assert_close(
+                    packed[r, offset : offset + len(d)], ref, rtol=1e-10, atol=1e-12
+                )
                 offset += len(d)
     # Perturbing one document changes no other document's outputs.
     tokens = batch[B.INPUT].clone()

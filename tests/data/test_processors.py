@@ -82,7 +82,9 @@ def test_patch_order_is_merge_window_major():
 
 
 def test_fixed_size_mode(tmp_path):
-    cfg = ImageProcessing(mode="fixed", image_size=12, patch_size=4, mean=(0.5,) * 3, std=(0.5,) * 3)
+    cfg = ImageProcessing(
+        mode="fixed", image_size=12, patch_size=4, mean=(0.5,) * 3, std=(0.5,) * 3
+    )
     path = write_png(tmp_path / "a.png", 12, 12, seed=1)
     item, = ImageProcessor(cfg)(path, str(tmp_path), SRC)
     ref = torch.from_numpy(np.asarray(Image.open(path), dtype=np.float64) / 255.0)
@@ -97,7 +99,9 @@ def test_fixed_size_mode(tmp_path):
 
 def _clip(n_frames: int, size: int = 16) -> np.ndarray:
     """Frames whose gray level is 10 + 15 * index (mod 256; robust to lossy coding)."""
-    return np.stack([np.full((size, size, 3), (10 + 15 * i) % 256, np.uint8) for i in range(n_frames)])
+    return np.stack(
+        [np.full((size, size, 3), (10 + 15 * i) % 256, np.uint8) for i in range(n_frames)]
+    )
 
 
 def test_video_frames_fps_and_temporal_grouping(tmp_path):
@@ -146,7 +150,9 @@ def test_log_mel_matches_whisper_feature_extractor():
     cfg = AudioProcessing()
     rng = np.random.default_rng(0)
     t = np.arange(16000 * 2) / 16000
-    wave = (0.3 * np.sin(2 * np.pi * 300 * t) + 0.05 * rng.standard_normal(t.shape)).astype(np.float32)
+    wave = (0.3 * np.sin(2 * np.pi * 300 * t) + 0.05 * rng.standard_normal(t.shape)).astype(
+        np.float32
+    )
     ours = log_mel(wave, cfg).numpy()
     assert ours.shape == (80, cfg.num_frames(wave.shape[0]))
     fe = transformers.WhisperFeatureExtractor(feature_size=80, sampling_rate=16000, hop_length=160,
@@ -182,7 +188,10 @@ def test_gen_image_pixels(tmp_path):
     cfg = GenImageProcessing(image_size=8, downsample=4)
     path = write_png(tmp_path / "g.png", 8, 8, seed=5)
     item, = GenImageProcessor(cfg)(path, str(tmp_path), SRC)
-    ref = torch.from_numpy(np.asarray(Image.open(path), dtype=np.float64)).permute(2, 0, 1) / 127.5 - 1
+    ref = (
+        torch.from_numpy(np.asarray(Image.open(path), dtype=np.float64)).permute(2, 0, 1) / 127.5
+        - 1
+    )
     torch.testing.assert_close(item.tensors["pixels"].double(), ref, atol=1e-6, rtol=0)
     assert item.num_tokens == 4
     wide, = GenImageProcessor(cfg)(write_png(tmp_path / "w.png", 10, 30), str(tmp_path), SRC)

@@ -104,7 +104,7 @@ def test_builds_are_deterministic(built, bundled, cache, tmp_path):
                                  os.path.join(bundled[0], "media", "speech", "train"))
     entries = fresh.ensure({"image": 2, "video": 1, "audio": 1}, jobs=1)
     old = os.path.join(cache, "seed0")
-    for kind, items in entries.items():
+    for items in entries.values():
         for e in items:
             with open(os.path.join(fresh.root, e["path"]), "rb") as a, \
                     open(os.path.join(old, e["path"]), "rb") as b:

@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from tests.decoders.test_vq import tiny_args as tiny_vq
-from tests.encoders.hf_utils import check_init_covers_everything, load_with_adapter, randomize_, rel_err
+from tests.encoders.hf_utils import (
+    check_init_covers_everything,
+    load_with_adapter,
+    randomize_,
+    rel_err,
+)
 from torchtitan_omni.decoders.gen_image import GenImageArgs, GenImageDecoder
 from torchtitan_omni.modules.init import init_context
 
@@ -54,12 +59,25 @@ def test_init_and_errors():
 def test_matches_hf_janus_generation_modules(tmp_path):
     from safetensors.torch import save_file
     from transformers.models.janus.configuration_janus import JanusVQVAEConfig
-    from transformers.models.janus.modeling_janus import JanusVQVAE, JanusVQVAEAlignerMLP, JanusVQVAEHead
+    from transformers.models.janus.modeling_janus import (
+        JanusVQVAE,
+        JanusVQVAEAlignerMLP,
+        JanusVQVAEHead,
+    )
 
     vq = tiny_vq(base_channels=32, z_channels=32, norm_groups=32, image_size=8)
-    cfg = JanusVQVAEConfig(embed_dim=4, num_embeddings=64, latent_channels=32, base_channels=32,
-                           channel_multiplier=[1, 2], num_res_blocks=1, num_patches=4,
-                           projection_dim=LLM_DIM, image_token_embed_dim=LLM_DIM, num_hidden_layers=2)
+    cfg = JanusVQVAEConfig(
+        embed_dim=4,
+        num_embeddings=64,
+        latent_channels=32,
+        base_channels=32,
+        channel_multiplier=[1, 2],
+        num_res_blocks=1,
+        num_patches=4,
+        projection_dim=LLM_DIM,
+        image_token_embed_dim=LLM_DIM,
+        num_hidden_layers=2,
+    )
     torch.manual_seed(0)
     parts = {
         "vqmodel": randomize_(JanusVQVAE(cfg), seed=1),
@@ -67,7 +85,11 @@ def test_matches_hf_janus_generation_modules(tmp_path):
         "generation_aligner": randomize_(JanusVQVAEAlignerMLP(cfg), seed=3),
         "generation_head": randomize_(JanusVQVAEHead(cfg), seed=4),
     }
-    tensors = {f"model.{p}.{k}": v.contiguous() for p, m in parts.items() for k, v in m.state_dict().items()}
+    tensors = {
+        f"model.{p}.{k}": v.contiguous()
+        for p, m in parts.items()
+        for k, v in m.state_dict().items()
+    }
     path = tmp_path / "model.safetensors"
     save_file(tensors, str(path))
 

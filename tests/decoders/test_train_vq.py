@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from tests.harness import REPO
@@ -49,7 +48,9 @@ def test_recipe_trains_saves_and_reports(tmp_path):
     dec = GenImageDecoder(GenImageArgs(vq=read_vq_args(str(out))), 16)
     load_vq(dec.vq, str(out))
     again = train_vq.main(["--data", str(tmp_path / "data"), "--eval", str(out), "--device", "cpu"])
-    assert again["held_out"]["all"]["mse"] == pytest.approx(report["held_out"]["all"]["mse"], rel=1e-4)
+    assert again["held_out"]["all"]["mse"] == pytest.approx(
+        report["held_out"]["all"]["mse"], rel=1e-4
+    )
 
 
 def test_bad_data_is_a_clear_error(tmp_path):

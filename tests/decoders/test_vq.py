@@ -5,7 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.encoders.hf_utils import check_init_covers_everything, load_with_adapter, randomize_, rel_err
+from tests.encoders.hf_utils import (
+    check_init_covers_everything,
+    load_with_adapter,
+    randomize_,
+    rel_err,
+)
 from torchtitan_omni.decoders.vq import (
     Quantizer, VQArgs, VQTokenizer, load_vq, read_vq_args, restart_dead_codes, save_vq,
 )
@@ -13,8 +18,16 @@ from torchtitan_omni.modules.init import init_context
 
 
 def tiny_args(**kw) -> VQArgs:
-    base = dict(image_size=16, base_channels=16, channel_mult=(1, 2), num_res_blocks=1, z_channels=16,
-                codebook_size=64, codebook_dim=4, norm_groups=4)
+    base = dict(
+        image_size=16,
+        base_channels=16,
+        channel_mult=(1, 2),
+        num_res_blocks=1,
+        z_channels=16,
+        codebook_size=64,
+        codebook_dim=4,
+        norm_groups=4,
+    )
     base.update(kw)
     return VQArgs(**base)
 
@@ -118,7 +131,9 @@ def test_matches_hf_janus_vqvae(tmp_path):
     from torchtitan_omni.decoders.hf import JanusVQAdapter
 
     # GroupNorm has 32 groups in HF's port: the smallest widths are 32.
-    args = tiny_args(base_channels=32, channel_mult=(1, 2), z_channels=32, norm_groups=32, image_size=8)
+    args = tiny_args(
+        base_channels=32, channel_mult=(1, 2), z_channels=32, norm_groups=32, image_size=8
+    )
     cfg = JanusVQVAEConfig(embed_dim=4, num_embeddings=64, latent_channels=32, base_channels=32,
                            channel_multiplier=[1, 2], num_res_blocks=1, num_patches=4)
     torch.manual_seed(0)

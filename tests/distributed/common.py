@@ -71,7 +71,9 @@ class TinyImageEncoder(OmniEncoder):
         lengths = grid.prod(-1)
         x = self.embed(media["patches"]).unsqueeze(0)
         cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
-        meta = AttentionMeta(cu, int(lengths.max()), torch.zeros_like(x[..., 0], dtype=torch.long), causal=False)
+        meta = AttentionMeta(
+            cu, int(lengths.max()), torch.zeros_like(x[..., 0], dtype=torch.long), causal=False
+        )
         x = x + self.attn(self.norm(x), meta)
         return self.proj(x[0])
 
@@ -127,7 +129,9 @@ class TinyAudioEncoder(OmniEncoder):
 def _plan(moe: bool, encoder_mesh: str = "fsdp") -> OmniParallelPlan:
     parts = [PartLayout("llm", fsdp_units=("tok_embeddings", "layers.*", "output"),
                         ac_units=("layers.*",))]
-    parts.append(PartLayout("encoders.vision", fsdp_units=("attn",), mesh=encoder_mesh, ac_units=("attn",)))
+    parts.append(
+        PartLayout("encoders.vision", fsdp_units=("attn",), mesh=encoder_mesh, ac_units=("attn",))
+    )
     parts.append(PartLayout("encoders.audio", mesh=encoder_mesh))
     return OmniParallelPlan(
         parts=tuple(parts),
@@ -151,9 +155,20 @@ class ModelSpec:
 def build_model(spec: ModelSpec) -> OmniModel:
     """The tiny omni model described by ``spec`` (on the current default device)."""
     if spec.moe:
-        llm = Qwen3Moe(Qwen3MoeArgs(
-            dim=DIM, n_layers=spec.layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
-            head_dim=8, vocab_size=VOCAB, num_experts=spec.experts, top_k=2, moe_hidden_dim=16, max_seq_len=64))
+        llm = Qwen3Moe(
+            Qwen3MoeArgs(
+                dim=DIM,
+                n_layers=spec.layers,
+                n_heads=spec.n_heads,
+                n_kv_heads=spec.n_kv_heads,
+                head_dim=8,
+                vocab_size=VOCAB,
+                num_experts=spec.experts,
+                top_k=2,
+                moe_hidden_dim=16,
+                max_seq_len=64,
+            )
+        )
     else:
         llm = Llama3(Llama3Args(
             dim=DIM, n_layers=spec.layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
@@ -199,7 +214,9 @@ def parallel_model(spec: ModelSpec, dims: OmniParallelDims, cfg, seed: int = 0,
     return model
 
 
-def make_dims(world: int, dp_shard: int = -1, sp: int = 1, ep: int = 1, dp_replicate: int = 1) -> OmniParallelDims:
+def make_dims(
+    world: int, dp_shard: int = -1, sp: int = 1, ep: int = 1, dp_replicate: int = 1
+) -> OmniParallelDims:
     dims = OmniParallelDims(dp_shard=dp_shard, dp_replicate=dp_replicate, cp=sp, tp=1, pp=1,
                             ep=ep, etp=1, world_size=world)
     dims.build_mesh()
@@ -269,7 +286,9 @@ def make_batch(seed: int, rows: int = 2, seq: int = 16, image: bool = True, audi
         batch[B.embed_index_key("image")] = img_index
     if feats:
         longest = max(f.shape[1] for f in feats)
-        batch["audio_features"] = torch.stack([nn.functional.pad(f, (0, longest - f.shape[1])) for f in feats])
+        batch["audio_features"] = torch.stack(
+            [nn.functional.pad(f, (0, longest - f.shape[1])) for f in feats]
+        )
         batch["audio_lengths"] = torch.tensor(lengths)
         batch[B.embed_index_key("audio")] = aud_index
     return batch, labels
@@ -302,7 +321,11 @@ def to_device(batch, labels, device):
 def _meta(batch: dict[str, torch.Tensor]):
     cu = batch[B.CU_SEQLENS]
     max_seqlen = int((cu[1:] - cu[:-1]).max())
-    media = {k: v for k, v in batch.items() if k not in (B.CU_SEQLENS, B.POSITION_IDS, B.INPUT, B.REAL_TOKENS)}
+    media = {
+        k: v
+        for k, v in batch.items()
+        if k not in (B.CU_SEQLENS, B.POSITION_IDS, B.INPUT, B.REAL_TOKENS)
+    }
     return AttentionMeta(cu, max_seqlen, batch[B.POSITION_IDS]), media
 
 

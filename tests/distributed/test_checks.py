@@ -50,7 +50,9 @@ def test_plan_problem_on_meta_models():
 
 
 def _config(*args):
-    return OmniConfigManager().parse_args(["--job.config_file", "tests/configs/synthetic.toml", *args])
+    return OmniConfigManager().parse_args(
+        ["--job.config_file", "tests/configs/synthetic.toml", *args]
+    )
 
 
 def test_validate_job_config_layouts():
@@ -93,7 +95,10 @@ def test_split_bounds_and_item_slicing():
     assert split_bounds([4, 4, 4, 4], 2) == [0, 2, 4]
     assert split_bounds([12, 2, 2], 2) == [0, 1, 3]
     assert split_bounds([5], 2) == [0, 1, 1]  # one item: the second rank gets none
-    media = {"patches": torch.arange(10).view(10, 1), "grid_thw": torch.tensor([[1, 2, 2], [1, 3, 2]])}
+    media = {
+        "patches": torch.arange(10).view(10, 1),
+        "grid_thw": torch.tensor([[1, 2, 2], [1, 3, 2]]),
+    }
     part = slice_items(media, 1, 2)
     assert part["patches"].flatten().tolist() == [4, 5, 6, 7, 8, 9]
     assert part["grid_thw"].tolist() == [[1, 3, 2]]

@@ -30,10 +30,19 @@ SPECS = ["janus", "llama_omni", "qwen3_moe_omni", "qwen3_omni"]
 
 
 def _job(spec: str, *extra: str):
-    return parse_job_config(["--job.config_file", str(REPO / "train_configs" / f"{spec}_debug.toml"),
-                             "--activation_checkpoint.mode", "selective",
-                             "--activation_checkpoint.selective_ac_option", "op",
-                             "--omni.encoder_activation_checkpoint", "full", *extra])
+    return parse_job_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / f"{spec}_debug.toml"),
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+            "--omni.encoder_activation_checkpoint",
+            "full",
+            *extra,
+        ]
+    )
 
 
 def _padded(batch: dict, labels: torch.Tensor, extra: int) -> tuple[dict, torch.Tensor]:

@@ -56,7 +56,7 @@ def _layout_check(world, name, spec, dims_kw, cfg_kw, batches_fn, extra=None,
 def _checked(results, name, fn):
     try:
         results[name] = fn()
-    except Exception:  # record and go on: every rank raises alike, so collectives stay matched
+    except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
         results[name] = {"error": traceback.format_exc()}
 
 
@@ -146,7 +146,10 @@ def _two_ranks(rank, world):
     Spec = C.ModelSpec
     results = {}
     # FSDP2 (dp_shard 2); rank 0's batch has only images, rank 1's only audio.
-    mixed = lambda ndp: [C.make_batch(200, image=True, audio=False), C.make_batch(201, image=False, audio=True)][:ndp]
+    mixed = lambda ndp: [
+        C.make_batch(200, image=True, audio=False),
+        C.make_batch(201, image=False, audio=True),
+    ][:ndp]
     _checked(results, "fsdp2_mixed", lambda: _layout_check(
         world, "fsdp2", Spec(), dict(dp_shard=2), {}, mixed))
     # SP2 with one kv head (< degree): packing and media crossing the slice boundary.
@@ -185,11 +188,22 @@ def _two_ranks(rank, world):
              omni__encoder_activation_checkpoint="full"),
         two, extra=_frozen_extra))
     # Per-op selective AC around async Ulysses (the recomputation re-issues the all-to-alls).
-    _checked(results, "selective_ac", lambda: _layout_check(
-        world, "sac", Spec(layers=2), dict(dp_shard=1, sp=2),
-        dict(activation_checkpoint__mode="selective", activation_checkpoint__selective_ac_option="op",
-             parallelism__ulysses_async=True),
-        crossing))
+    _checked(
+        results,
+        "selective_ac",
+        lambda: _layout_check(
+            world,
+            "sac",
+            Spec(layers=2),
+            dict(dp_shard=1, sp=2),
+            dict(
+                activation_checkpoint__mode="selective",
+                activation_checkpoint__selective_ac_option="op",
+                parallelism__ulysses_async=True,
+            ),
+            crossing,
+        ),
+    )
     return results
 
 
@@ -209,7 +223,9 @@ def _assert_parity(res, name):
 
 def test_fsdp2_with_different_modality_mixes(two_rank):
     out = _assert_parity(two_rank, "fsdp2_mixed")
-    assert all(v > 0 for v in out["ref_encoder_grad"].values()) and len(out["ref_encoder_grad"]) == 2
+    assert (
+        all(v > 0 for v in out["ref_encoder_grad"].values()) and len(out["ref_encoder_grad"]) == 2
+    )
 
 
 def test_sp2_gqa_kv_heads_below_degree_with_crossing_documents(two_rank):
@@ -273,7 +289,10 @@ def _four_ranks(rank, world):
     results = {}
     # dp_shard 2 x sp 2: dp rank 0 has only images, dp rank 1 only audio; encoders sharded
     # over dp_shard only (replicated over SP), async Ulysses, every layer checkpointed.
-    mixed = lambda ndp: [C.make_batch(110, image=True, audio=False), C.make_batch(104, image=False, audio=True)]
+    mixed = lambda ndp: [
+        C.make_batch(110, image=True, audio=False),
+        C.make_batch(104, image=False, audio=True),
+    ]
     _checked(results, "dp2_sp2_mixed", lambda: _layout_check(
         world, "dp2sp2", Spec(), dict(dp_shard=2, sp=2),
         dict(parallelism__ulysses_async=True, parallelism__encoder_fsdp_mesh="dp_shard",
@@ -317,7 +336,9 @@ def four_rank():
 
 def test_dp2_sp2_with_different_modality_mixes(four_rank):
     out = _assert_parity(four_rank, "dp2_sp2_mixed")
-    assert all(v > 0 for v in out["ref_encoder_grad"].values()) and len(out["ref_encoder_grad"]) == 2
+    assert (
+        all(v > 0 for v in out["ref_encoder_grad"].values()) and len(out["ref_encoder_grad"]) == 2
+    )
 
 
 def test_dp2_sp2_ep2_split_encoders_and_clipping(four_rank):

@@ -14,7 +14,12 @@ CASES = {
     "llama_omni": ("--parallelism.ulysses_degree", "2"),
     "janus": ("--parallelism.ulysses_degree", "2", "--parallelism.ulysses_async"),
     "qwen3_omni": ("--parallelism.ulysses_degree", "2"),
-    "qwen3_moe_omni": ("--parallelism.ulysses_degree", "2", "--parallelism.expert_parallel_degree", "2"),
+    "qwen3_moe_omni": (
+        "--parallelism.ulysses_degree",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+    ),
 }
 
 

@@ -47,9 +47,15 @@ def load_with_adapter(ours: nn.Module, adapter, path) -> tuple[set[str], set[str
             state[name].copy_(value)
             used.update(src.keys)
     ignored = adapter.ignored_hf_keys()
-    unused = {k for k in hf if k not in used and not any(fnmatch.fnmatchcase(k, p) for p in ignored)}
+    unused = {
+        k for k in hf if k not in used and not any(fnmatch.fnmatchcase(k, p) for p in ignored)
+    }
     init_only = adapter.init_only()
-    missing = {n for n in set(state) - set(sources) if not any(fnmatch.fnmatchcase(n, p) for p in init_only)}
+    missing = {
+        n
+        for n in set(state) - set(sources)
+        if not any(fnmatch.fnmatchcase(n, p) for p in init_only)
+    }
     return missing, unused
 
 

@@ -54,7 +54,9 @@ def test_rows_match_processor_and_padding_never_leaks():
 
     garbage = media["features"].clone()
     for i, n in enumerate(lengths):
-        garbage[i, :, n:] = 1e3 * torch.randn(N_MELS, garbage.shape[2] - n, generator=g, dtype=torch.float64)
+        garbage[i, :, n:] = 1e3 * torch.randn(
+            N_MELS, garbage.shape[2] - n, generator=g, dtype=torch.float64
+        )
     assert torch.equal(enc({"features": garbage, "lengths": media["lengths"]}, "audio"), out)
 
 
@@ -111,8 +113,10 @@ def test_matches_hf_qwen2_audio_tower_and_projector(tmp_path):
     with torch.no_grad():  # real Qwen2-Audio checkpoints keep Whisper's frozen sinusoid table
         tower.embed_positions.weight.copy_(hf_sinusoids(HF_POSITIONS, 32))
     projector = randomize_(torch.nn.Linear(32, LLM_DIM), seed=4)
-    tensors = {**{f"audio_tower.{k}": v for k, v in tower.state_dict().items()},
-               **{f"multi_modal_projector.linear.{k}": v for k, v in projector.state_dict().items()}}
+    tensors = {
+        **{f"audio_tower.{k}": v for k, v in tower.state_dict().items()},
+        **{f"multi_modal_projector.linear.{k}": v for k, v in projector.state_dict().items()},
+    }
     from safetensors.torch import save_file
 
     path = tmp_path / "model.safetensors"

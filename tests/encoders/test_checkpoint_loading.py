@@ -37,15 +37,28 @@ def _janus_folder(folder):
         JanusVisionAlignerMLP, JanusVisionModel, JanusVQVAE, JanusVQVAEAlignerMLP, JanusVQVAEHead,
     )
 
-    vcfg = JanusVisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=32,
-                             patch_size=8, mlp_ratio=2.0, projection_dim=LLM, depth=2)
+    vcfg = JanusVisionConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        mlp_ratio=2.0,
+        projection_dim=LLM,
+        depth=2,
+    )
     qcfg = JanusVQVAEConfig(embed_dim=4, num_embeddings=64, latent_channels=32, base_channels=32,
                             channel_multiplier=[1, 2], num_res_blocks=1, num_patches=4,
                             projection_dim=LLM, image_token_embed_dim=LLM, num_hidden_layers=2)
     torch.manual_seed(0)
-    parts = {"vision_model": JanusVisionModel(vcfg), "aligner": JanusVisionAlignerMLP(vcfg),
-             "vqmodel": JanusVQVAE(qcfg), "generation_embeddings": nn.Embedding(64, 4),
-             "generation_aligner": JanusVQVAEAlignerMLP(qcfg), "generation_head": JanusVQVAEHead(qcfg)}
+    parts = {
+        "vision_model": JanusVisionModel(vcfg),
+        "aligner": JanusVisionAlignerMLP(vcfg),
+        "vqmodel": JanusVQVAE(qcfg),
+        "generation_embeddings": nn.Embedding(64, 4),
+        "generation_aligner": JanusVQVAEAlignerMLP(qcfg),
+        "generation_head": JanusVQVAEHead(qcfg),
+    }
     tensors = {f"model.{p}.{k}": v.contiguous() for p, m in parts.items()
                for k, v in randomize_(m, seed=1).state_dict().items()}
     tensors["model.language_model.embed_tokens.weight"] = torch.randn(10, LLM)  # the LLM's
@@ -58,8 +71,10 @@ def _janus_folder(folder):
 def test_janus_checkpoint_loads_part_by_part(tmp_path):
     tensors = _janus_folder(tmp_path / "janus")
     vq = tiny_vq(base_channels=32, z_channels=32, norm_groups=32, image_size=8)
-    model = Parts({"vision": SiglipEncoder(tiny_siglip(gelu_approximate="none", hf_format="janus"), LLM)},
-                  {"gen_image": GenImageDecoder(GenImageArgs(vq=vq), LLM)})
+    model = Parts(
+        {"vision": SiglipEncoder(tiny_siglip(gelu_approximate="none", hf_format="janus"), LLM)},
+        {"gen_image": GenImageDecoder(GenImageArgs(vq=vq), LLM)},
+    )
     for part in ("encoders.vision", "decoders.gen_image"):
         report = hf_loader.load_part_from_hf(model, part, str(tmp_path / "janus"))
         assert report.tensors == len(model.get_submodule(part).state_dict())

@@ -63,7 +63,10 @@ def _worker(rank, world_size):
     def media_of(r, enc):
         g = torch.Generator().manual_seed(10 + r)
         if isinstance(enc, VisionEncoder):
-            frames = [torch.randn(1 + 2 * r, 3, 8, 16, generator=g), torch.randn(1, 3, 8, 8, generator=g)]
+            frames = [
+                torch.randn(1 + 2 * r, 3, 8, 16, generator=g),
+                torch.randn(1, 3, 8, 8, generator=g),
+            ]
             return items_media(enc, frames, torch.float32), "video"
         lengths = [5 + 3 * r, 9]
         return {"features": torch.randn(2, 16, max(lengths), generator=g),

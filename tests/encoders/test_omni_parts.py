@@ -21,7 +21,10 @@ def build() -> OmniModel:
                             ffn_hidden_dim=64, rope_scaling=None, max_seq_len=S))
     model = OmniModel(
         llm,
-        encoders={"vision": VisionEncoder(tiny_vision(), DIM), "audio": AudioEncoder(tiny_audio(), DIM)},
+        encoders={
+            "vision": VisionEncoder(tiny_vision(), DIM),
+            "audio": AudioEncoder(tiny_audio(), DIM),
+        },
         decoders={"gen_image": GenImageDecoder(GenImageArgs(vq=tiny_vq(image_size=8)), DIM)},
     )
     model.init_weights()
@@ -43,8 +46,12 @@ def test_media_rows_land_on_placeholders_and_train_the_parts():
     labels[0, :2] = tokens[0, 1:3]
     labels[0, 36:47] = tokens[0, 37:48]
     batch = {
-        **{f"image_{k}": v for k, v in items_media(
-            model.encoders["vision"], [torch.randn(1, 3, 16, 16, generator=g)], torch.float32).items()},
+        **{
+            f"image_{k}": v
+            for k, v in items_media(
+                model.encoders["vision"], [torch.randn(1, 3, 16, 16, generator=g)], torch.float32
+            ).items()
+        },
         "image_embed_index": index(list(range(2, 6))),  # 4x4 patches -> 4 tokens
         "audio_features": torch.randn(1, 16, 7, generator=g),
         "audio_lengths": torch.tensor([7]),
@@ -97,7 +104,9 @@ def test_absent_modalities_skip_their_parts_with_the_same_losses():
     skipped = model(tokens, meta, labels, absent=frozenset(model.modalities))
     assert set(skipped.losses) == set(dummy.losses)
     for name in dummy.losses:
-        assert torch.allclose(torch.as_tensor(skipped.losses[name]), torch.as_tensor(dummy.losses[name])), name
+        assert torch.allclose(
+            torch.as_tensor(skipped.losses[name]), torch.as_tensor(dummy.losses[name])
+        ), name
     sum(skipped.losses.values()).backward()
     for part in ("encoders.vision", "encoders.audio", "decoders.gen_image"):
         assert all(p.grad is None for p in model.get_submodule(part).parameters()), part

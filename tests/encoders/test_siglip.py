@@ -65,8 +65,16 @@ def test_matches_hf_janus_vision_and_aligner(tmp_path):
     from transformers.models.janus.modeling_janus import JanusVisionAlignerMLP, JanusVisionModel
 
     args = tiny_args(gelu_approximate="none", hf_format="janus")
-    cfg = JanusVisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=32,
-                            patch_size=8, mlp_ratio=2.0, projection_dim=LLM_DIM, depth=2)
+    cfg = JanusVisionConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        mlp_ratio=2.0,
+        projection_dim=LLM_DIM,
+        depth=2,
+    )
     torch.manual_seed(0)
     tower = randomize_(JanusVisionModel(cfg), seed=4).eval()
     aligner = randomize_(JanusVisionAlignerMLP(cfg), seed=5).eval()

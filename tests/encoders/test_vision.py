@@ -38,7 +38,10 @@ def items_media(enc, frames_list, dtype=torch.float64):
         p, g = patchify(frames, a.patch_size, a.merge_size, a.temporal_patch_size)
         patches.append(p)
         grids.append(g)
-    return {"patches": torch.cat(patches).to(dtype), "grid_thw": torch.tensor(grids, dtype=torch.long)}
+    return {
+        "patches": torch.cat(patches).to(dtype),
+        "grid_thw": torch.tensor(grids, dtype=torch.long),
+    }
 
 
 def test_rows_match_processor_for_images_and_videos():
@@ -92,8 +95,15 @@ def test_attention_span_of_a_video(span):
 def test_patch_layout_matches_hf_processor():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    hf = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, do_resize=False,
-                                  do_rescale=False, do_normalize=False, do_convert_rgb=False)
+    hf = Qwen2VLImageProcessorPil(
+        patch_size=4,
+        merge_size=2,
+        temporal_patch_size=2,
+        do_resize=False,
+        do_rescale=False,
+        do_normalize=False,
+        do_convert_rgb=False,
+    )
     img = np.random.default_rng(0).random((16, 24, 3)).astype(np.float32)
     ref = hf(images=[img], return_tensors="pt")
     ours, grid = patchify(torch.from_numpy(img).permute(2, 0, 1)[None], 4, 2, 2)
@@ -127,8 +137,15 @@ def test_matches_hf_qwen2_vl_vision_tower(tmp_path):
     assert missing == set() and unused == set()
 
     g = torch.Generator().manual_seed(4)
-    media = items_media(enc, [torch.randn(1, 3, 16, 24, generator=g), torch.randn(4, 3, 8, 16, generator=g),
-                              torch.randn(1, 3, 8, 8, generator=g)], dtype=torch.float32)
+    media = items_media(
+        enc,
+        [
+            torch.randn(1, 3, 16, 24, generator=g),
+            torch.randn(4, 3, 8, 16, generator=g),
+            torch.randn(1, 3, 8, 8, generator=g),
+        ],
+        dtype=torch.float32,
+    )
     with torch.no_grad():
         ref = hf(media["patches"], grid_thw=media["grid_thw"]).pooler_output
         ours = enc(media, "image")
@@ -143,7 +160,9 @@ def test_dummy_media_init_and_errors():
     check_init_covers_everything(VisionEncoder(tiny_args(), LLM_DIM))
 
     media = enc.dummy_media("image", torch.device("cpu"))
-    with pytest.raises(ValueError, match="image_grid_thw describes 4 patches but image_patches has 3"):
+    with pytest.raises(
+        ValueError, match="image_grid_thw describes 4 patches but image_patches has 3"
+    ):
         enc({"patches": media["patches"][:3], "grid_thw": media["grid_thw"]}, "image")
     with pytest.raises(ValueError, match="row 0 .* multiples of the merge size"):
         enc({"patches": media["patches"][:3], "grid_thw": torch.tensor([[1, 1, 3]])}, "image")

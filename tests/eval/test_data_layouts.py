@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 
 from tests.data.helpers import SMALL_PROCESSING, job_config, tokenizer_dir, write_png
 from torchtitan_omni.data.loader import build_omni_dataloader

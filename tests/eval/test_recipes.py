@@ -3,7 +3,7 @@ start-up check, with the model built on the meta device for SP/EP plans) with va
 
 import pytest
 
-from tests.harness import REPO, load_script
+from tests.harness import load_script
 from torchtitan_omni.config.manager import parse_job_config
 
 script = load_script("reproduce_convergence")

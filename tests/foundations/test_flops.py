@@ -27,9 +27,22 @@ def _llama() -> OmniModel:
 
 
 def _qwen() -> OmniModel:
-    m = OmniModel(Qwen3Moe(Qwen3MoeArgs(dim=D, n_layers=L, n_heads=HEADS, n_kv_heads=KV, head_dim=HD,
-                                        vocab_size=V, num_experts=6, top_k=2, moe_hidden_dim=16,
-                                        max_seq_len=64)))
+    m = OmniModel(
+        Qwen3Moe(
+            Qwen3MoeArgs(
+                dim=D,
+                n_layers=L,
+                n_heads=HEADS,
+                n_kv_heads=KV,
+                head_dim=HD,
+                vocab_size=V,
+                num_experts=6,
+                top_k=2,
+                moe_hidden_dim=16,
+                max_seq_len=64,
+            )
+        )
+    )
     m.init_weights()
     return m
 
@@ -114,9 +127,22 @@ def test_media_flops_count_encoders_and_decoders():
     gen = pytest.importorskip("torchtitan_omni.decoders.gen_image")
     enc = siglip.SiglipEncoder(siglip.SiglipArgs.debug(), D)
     dec = gen.GenImageDecoder(gen.GenImageArgs.debug(), D)
-    model = OmniModel(Llama3(Llama3Args(dim=D, n_layers=1, n_heads=HEADS, n_kv_heads=KV, vocab_size=V,
-                                        ffn_hidden_dim=48, rope_scaling=None, max_seq_len=64)),
-                      encoders={"vision": enc}, decoders={"gen_image": dec})
+    model = OmniModel(
+        Llama3(
+            Llama3Args(
+                dim=D,
+                n_layers=1,
+                n_heads=HEADS,
+                n_kv_heads=KV,
+                vocab_size=V,
+                ffn_hidden_dim=48,
+                rope_scaling=None,
+                max_seq_len=64,
+            )
+        ),
+        encoders={"vision": enc},
+        decoders={"gen_image": dec},
+    )
     model.init_weights()
     counter = FlopCounter(model)
     pixels = torch.randn(3, 3, 32, 32)
@@ -127,7 +153,10 @@ def test_media_flops_count_encoders_and_decoders():
     tokens_per_image = (32 // 8) ** 2
     enc_params = sum(p.numel() for p in enc.parameters())
     width = sum(b.attn.n_heads * b.attn.head_dim for b in enc.blocks)
-    dec_params = sum(p.numel() for p in dec.parameters() if p.requires_grad) - dec.aligner.embed.weight.numel()
+    dec_params = (
+        sum(p.numel() for p in dec.parameters() if p.requires_grad)
+        - dec.aligner.embed.weight.numel()
+    )
     expected = (6 * enc_params * 3 * tokens_per_image + 12 * width * 3 * tokens_per_image**2
                 + 6 * dec_params * 7)
     assert counter.media(batch) == pytest.approx(expected, rel=1e-12)
@@ -135,7 +164,11 @@ def test_media_flops_count_encoders_and_decoders():
     with FlopCounterMode(display=False) as fc:
         enc({"pixels": pixels}, "image").sum().backward()
     counts = fc.get_flop_counts()["Global"]
-    measured = sum(v for op, v in counts.items() if op.__name__ in ("mm", "addmm", "convolution", "convolution_backward"))
+    measured = sum(
+        v
+        for op, v in counts.items()
+        if op.__name__ in ("mm", "addmm", "convolution", "convolution_backward")
+    )
     estimate = 6 * enc_params * 3 * tokens_per_image
     # The estimate also charges what runs no matmul (position embeddings, LayerNorms, biases)
     # and the patch convolution's input gradient (pixels need none): 9% at this tiny width,

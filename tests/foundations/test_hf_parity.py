@@ -89,7 +89,9 @@ def _ours(foundation_cls, args, hf_model):
 
 def _logits(model, tokens, cu_seqlens, position_ids):
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()), position_ids=position_ids)
+    meta = AttentionMeta(
+        cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()), position_ids=position_ids
+    )
     return model.output(model(model.tok_embeddings(tokens), meta))
 
 
@@ -155,7 +157,9 @@ def test_packed_documents_match_separate_hf_forwards(family):
     if family == "qwen3_moe":
         from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-        per_layer = tuple(torch.cat([r[layer] for r in router_logits]) for layer in range(args.n_layers))
+        per_layer = tuple(
+            torch.cat([r[layer] for r in router_logits]) for layer in range(args.n_layers)
+        )
         ref_aux = load_balancing_loss_func(per_layer, args.num_experts, args.top_k)
         torch.testing.assert_close(ours.aux_losses()[AUX_LOSS], ref_aux.float(), rtol=1e-5, atol=0)
 
@@ -187,7 +191,9 @@ def test_adapter_round_trip(family):
         assert torch.equal(back[k], state[k]), k
     # The HF names and shapes are exactly those of the HF model's checkpoint.
     saved = _checkpoint(_hf_model(adapter.hf_config(), hf_cls, cfg_cls))
-    assert {k: tuple(v.shape) for k, v in saved.items()} == {k: tuple(v.shape) for k, v in hf_state.items()}
+    assert {k: tuple(v.shape) for k, v in saved.items()} == {
+        k: tuple(v.shape) for k, v in hf_state.items()
+    }
 
 
 @pytest.mark.parametrize("family", list(CASES))

@@ -92,7 +92,9 @@ def test_capacity_dispatch_matches_dense_reference_with_gradients(factor):
     ref_grads = torch.autograd.grad((ref * g).sum(), [x2, *params])
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     for name, a, b in zip(["x", "gate", "w1", "w2", "w3"], grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(
+            a, b, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"grad {name}: {m}"
+        )
 
 
 def test_all_tokens_to_one_expert_and_fixed_token_budget():

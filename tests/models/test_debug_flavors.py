@@ -109,10 +109,20 @@ def _fsdp_worker(rank: int, world_size: int, names: list[str]) -> dict:
 
     report = {}
     for name in names:
-        cfg = OmniConfigManager().parse_args([
-            "--model.name", name, "--model.flavor", "debugmodel", "--training.dataset", "omni_default",
-            "--activation_checkpoint.mode", "none", "--model.hf_assets_path", "/nonexistent",
-        ])
+        cfg = OmniConfigManager().parse_args(
+            [
+                "--model.name",
+                name,
+                "--model.flavor",
+                "debugmodel",
+                "--training.dataset",
+                "omni_default",
+                "--activation_checkpoint.mode",
+                "none",
+                "--model.hf_assets_path",
+                "/nonexistent",
+            ]
+        )
         dims = OmniParallelDims.from_config(cfg.parallelism, world_size)
         dims.build_mesh()
         spec = get_train_spec(name)
@@ -125,7 +135,7 @@ def _fsdp_worker(rank: int, world_size: int, names: list[str]) -> dict:
         with torch.no_grad():
             model.init_weights()
 
-        def rank_batch(r):
+        def rank_batch(r, reference=reference, args=args):
             batch, labels = mixed_batch(reference, args.llm_args.vocab_size, seed=r)
             if r == 1:  # no encoder media on rank 1: its encoders run on dummies
                 for modality in reference.encoder_of:

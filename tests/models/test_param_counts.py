@@ -126,8 +126,14 @@ def test_llm_matches_hf_model_built_from_the_exported_config(spec_name):
 def _whisper_encoder_with_projector(llm_dim: int) -> int:
     """Whisper-large-v3's encoder (HF) without its position table (a fixed sinusoid buffer in
     ours) plus a one-linear projector to the LLM width (Qwen2-Audio's)."""
-    cfg = transformers.WhisperConfig(d_model=1280, encoder_layers=32, encoder_attention_heads=20,
-                                     encoder_ffn_dim=5120, num_mel_bins=128, max_source_positions=1500)
+    cfg = transformers.WhisperConfig(
+        d_model=1280,
+        encoder_layers=32,
+        encoder_attention_heads=20,
+        encoder_ffn_dim=5120,
+        num_mel_bins=128,
+        max_source_positions=1500,
+    )
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
     with torch.device("meta"):

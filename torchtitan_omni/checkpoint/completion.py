@@ -83,7 +83,7 @@ def dcp_extent_problem(folder: str, files: dict[str, int]) -> str | None:
             metadata = pickle.load(f)
     except FileNotFoundError:
         return f"no {DCP_METADATA} (DCP did not finish)"
-    except Exception as e:  # a truncated pickle raises anything from EOFError to ValueError
+    except Exception as e:  # noqa: BLE001  (a truncated pickle raises anything from EOFError to ValueError)
         return f"{DCP_METADATA} is unreadable ({type(e).__name__}: {e})"
     ends: dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
@@ -95,7 +95,8 @@ def dcp_extent_problem(folder: str, files: dict[str, int]) -> str | None:
         if size is None:
             return f"{path} is missing"
         if size < end:
-            return f"{path} is {size} bytes but {DCP_METADATA} records data up to byte {end} (truncated)"
+            return (f"{path} is {size} bytes but {DCP_METADATA} records data up to byte {end} "
+                    "(truncated)")
     return None
 
 
@@ -104,7 +105,9 @@ def publish(tmp: str, final: str, info: dict) -> None:
     files = _files(tmp)
     problem = dcp_extent_problem(tmp, files)
     if problem:
-        raise RuntimeError(f"checkpoint save into {tmp} is incomplete: {problem}; not publishing it")
+        raise RuntimeError(
+            f"checkpoint save into {tmp} is incomplete: {problem}; not publishing it"
+        )
     manifest = dict(info, format_version=FORMAT_VERSION, files=files, published=time.time())
     marker = os.path.join(tmp, MANIFEST)
     with open(marker + ".part", "w") as f:

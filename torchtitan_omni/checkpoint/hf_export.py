@@ -79,7 +79,10 @@ def split_to_hf(tensor: torch.Tensor, source: HFSource) -> list[tuple[str, torch
         raise CheckpointFormatError(
             f"{len(source.keys)} Hugging Face keys for {len(pieces)} slices ({source.keys[0]}, ...)"
         )
-    return [(key, (p.t() if source.transpose else p).contiguous()) for key, p in zip(source.keys, pieces)]
+    return [
+        (key, (p.t() if source.transpose else p).contiguous())
+        for key, p in zip(source.keys, pieces)
+    ]
 
 
 def _unmapped(part: str, names: dict[str, torch.Tensor], adapter: HFAdapter) -> list[str]:
@@ -222,14 +225,20 @@ class ShardedWriter:
     def _read_back(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(os.path.join(self.folder, self.files[self.weight_map[key]]), framework="pt") as f:
+        with safe_open(
+            os.path.join(self.folder, self.files[self.weight_map[key]]), framework="pt"
+        ) as f:
             return f.get_tensor(key)
 
     def close(self) -> int:
         """Name the shards (``model.safetensors`` or ``model-i-of-n``), write the index."""
         self.flush()
         n = len(self.files)
-        names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        names = (
+            [SINGLE_FILE]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
         for tmp, final in zip(self.files, names):
             os.replace(os.path.join(self.folder, tmp), os.path.join(self.folder, final))
         if n > 1:
@@ -252,7 +261,9 @@ def copy_tokenizer(hf_assets_path: str | None, out: str) -> list[str]:
     return copied
 
 
-def save_model_checkpoint(model: nn.Module, folder: str, step: int = 0, layout: dict | None = None) -> str:
+def save_model_checkpoint(
+    model: nn.Module, folder: str, step: int = 0, layout: dict | None = None
+) -> str:
     """Save the model alone as a published DCP checkpoint ``folder/step-<step>`` (collective)."""
     final = step_dir(folder, step)
     tmp = tmp_dir(final)

@@ -104,7 +104,9 @@ def check_part(
         if any(fnmatch.fnmatchcase(name, pat) for pat in init_only):
             unsourced.append(name)
         else:
-            problems.append(f"{part}.{name} {tuple(t.shape)}: the adapter gives no Hugging Face source")
+            problems.append(
+                f"{part}.{name} {tuple(t.shape)}: the adapter gives no Hugging Face source"
+            )
     for name in sources:
         if name not in tensors:
             problems.append(f"the adapter maps {part}.{name}, which the model does not have")
@@ -132,7 +134,9 @@ def check_part(
         for key in source.keys:
             info = folder.tensors.get(key)
             if info is None:
-                problems.append(f"missing Hugging Face tensor {key} (source of {part}.{name}) in {where}")
+                problems.append(
+                    f"missing Hugging Face tensor {key} (source of {part}.{name}) in {where}"
+                )
                 ok = False
             elif info.shape != want:
                 problems.append(
@@ -153,7 +157,9 @@ def check_part(
                 f"{type(adapter).__name__} and not in its ignored_hf_keys"
             )
     if problems:
-        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        more = (
+            f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        )
         raise CheckpointFormatError(
             f"cannot load part {part!r} from {where}: {len(problems)} problem(s):\n  "
             + "\n  ".join(problems[:_MAX_LISTED]) + more
@@ -223,7 +229,9 @@ def load_vocab_tensor(folder: SafetensorsFolder, name: str, source: HFSource,
 
 
 @torch.no_grad()
-def load_tensor(folder: SafetensorsFolder, name: str, source: HFSource, tensor: torch.Tensor) -> int:
+def load_tensor(
+    folder: SafetensorsFolder, name: str, source: HFSource, tensor: torch.Tensor
+) -> int:
     """Copy this rank's block of ``tensor`` from the folder; returns bytes read."""
     if source.hf_rows is not None or source.mean_rows is not None:
         return load_vocab_tensor(folder, name, source, tensor)
@@ -267,12 +275,16 @@ def load_part_from_hf(model: nn.Module, part: str, path: str) -> LoadReport:
             report.tensors += 1
             if source.mean_rows is not None:
                 report.mean_rows[name] = source.mean_rows
-        report.checkpoint_bytes = sum(_nbytes(folder, k) for k in {k for _, s in plan for k in s.keys})
+        report.checkpoint_bytes = sum(
+            _nbytes(folder, k) for k in {k for _, s in plan for k in s.keys}
+        )
     report.kept_init = _load_extras(part, path, {n: tensors[n] for n in unsourced}, report)
     return report
 
 
-def _load_extras(part: str, path: str, tensors: dict[str, torch.Tensor], report: LoadReport) -> list[str]:
+def _load_extras(
+    part: str, path: str, tensors: dict[str, torch.Tensor], report: LoadReport
+) -> list[str]:
     """Load ``init_only`` tensors an export saved under our names; returns those left as is."""
     extra = os.path.join(path, EXTRA_FILE)
     if not tensors or not os.path.isfile(extra):

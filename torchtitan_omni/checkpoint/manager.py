@@ -76,7 +76,9 @@ def describe_layout(layout: dict | None) -> str:
     """``world 4: dp_shard=2 sp=2`` (degrees of 1 left out)."""
     if not layout:
         return "an unknown layout"
-    degrees = " ".join(f"{k}={v}" for k, v in sorted(layout.items()) if k != "world_size" and v != 1)
+    degrees = " ".join(
+        f"{k}={v}" for k, v in sorted(layout.items()) if k != "world_size" and v != 1
+    )
     return f"world {layout.get('world_size', '?')}" + (f": {degrees}" if degrees else "")
 
 
@@ -96,7 +98,7 @@ def _then(inner: Future, action: Callable[[], None]) -> Future:
             f.result()
             action()
             outer.set_result(None)
-        except BaseException as e:  # surfaced at the next wait, as TorchTitan does
+        except BaseException as e:  # noqa: BLE001  (surfaced at the next wait, as TorchTitan does)
             logger.error(f"Asynchronous checkpoint save failed: {e}")
             outer.set_exception(e)
 
@@ -163,7 +165,9 @@ class OmniCheckpointManager(CheckpointManager):
                  enable_garbage_collection: bool = False, to_hf: bool = False):
         """Write into ``saving-N.tmp``; rank 0 publishes it as ``step-N`` once complete."""
         if to_hf:
-            raise CheckpointFormatError("Hugging Face output goes through scripts/convert_checkpoint.py")
+            raise CheckpointFormatError(
+                "Hugging Face output goes through scripts/convert_checkpoint.py"
+            )
         tmp = tmp_dir(checkpoint_id)
         info = {"step": step_of(checkpoint_id), "model_only": OPTIMIZER not in state_dict,
                 "layout": self.layout, "torch": torch.__version__}
@@ -208,7 +212,7 @@ class OmniCheckpointManager(CheckpointManager):
         if getattr(self, "enable", False) and getattr(self, "save_future", None) is not None:
             try:
                 self._async_wait()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001  (closing must go on; the error is logged)
                 logger.error(f"The last asynchronous checkpoint save did not complete: {e}")
         super().close()
 
@@ -279,7 +283,9 @@ class OmniCheckpointManager(CheckpointManager):
             path = step_dir(self.folder, step)
             problem = verify(path)
             if problem:
-                raise CheckpointFormatError(f"checkpoint.load_step={step}: {path} cannot be loaded: {problem}")
+                raise CheckpointFormatError(
+                    f"checkpoint.load_step={step}: {path} cannot be loaded: {problem}"
+                )
             target = Candidate(step, path, read_manifest(path) or {})
             model_only = step == 0 or bool(target.manifest.get("model_only"))
         else:
@@ -377,7 +383,9 @@ class OmniCheckpointManager(CheckpointManager):
             if md is None:
                 missing.append(key)
             elif isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(t.shape):
-                mismatched.append(f"{key}: {tuple(md.size)} in the checkpoint, {tuple(t.shape)} here")
+                mismatched.append(
+                    f"{key}: {tuple(md.size)} in the checkpoint, {tuple(t.shape)} here"
+                )
         if not (missing or mismatched):
             return
         lines = [f"missing {k}" for k in missing[:_MAX_LISTED]]

@@ -56,7 +56,9 @@ def read_header(path: str) -> dict[str, dict]:
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) < 8:
-                raise CheckpointFormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+                raise CheckpointFormatError(
+                    f"{path}: not a safetensors file (shorter than 8 bytes)"
+                )
             (length,) = struct.unpack("<Q", raw)
             if length > size - 8:
                 raise CheckpointFormatError(
@@ -94,7 +96,8 @@ class SafetensorsFolder:
             for key, entry in read_header(path).items():
                 if key in self.tensors:
                     raise CheckpointFormatError(
-                        f"{folder}: tensor {key} is in both {os.path.basename(self.tensors[key].file)} "
+                        f"{folder}: tensor {key} is in both "
+                        f"{os.path.basename(self.tensors[key].file)} "
                         f"and {os.path.basename(path)}"
                     )
                 self.tensors[key] = TensorInfo(path, tuple(entry["shape"]), entry["dtype"])
@@ -115,19 +118,24 @@ class SafetensorsFolder:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
             except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointFormatError(f"{index}: not a valid safetensors index ({e})") from None
+                raise CheckpointFormatError(
+                    f"{index}: not a valid safetensors index ({e})"
+                ) from None
             files: dict[str, set[str]] = {}
             for key, name in weight_map.items():
                 files.setdefault(os.path.join(self.folder, name), set()).add(key)
             for path in files:
                 if not os.path.isfile(path):
-                    raise CheckpointFormatError(f"{index} lists {os.path.basename(path)}, which is missing")
+                    raise CheckpointFormatError(
+                        f"{index} lists {os.path.basename(path)}, which is missing"
+                    )
             return files
         names = sorted(n for n in os.listdir(self.folder)
                        if n.endswith(".safetensors") and n != EXTRA_FILE)
         if not names:
             raise CheckpointFormatError(
-                f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE} (not a Hugging Face safetensors folder)"
+                f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE} (not a Hugging Face safetensors "
+                "folder)"
             )
         return {os.path.join(self.folder, n): set() for n in names}
 

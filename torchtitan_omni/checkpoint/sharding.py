@@ -27,7 +27,9 @@ def _probe_placements(placements, dim: int) -> list:
     for p in placements:
         # _StridedShard is a Shard subclass on older torch and not on newer: test it first.
         if isinstance(p, _StridedShard):
-            out.append(_StridedShard(0, split_factor=p.split_factor) if p.dim == dim else Replicate())
+            out.append(
+                _StridedShard(0, split_factor=p.split_factor) if p.dim == dim else Replicate()
+            )
         elif isinstance(p, Shard):
             out.append(Shard(0) if p.dim == dim else Replicate())
         elif isinstance(p, Partial):

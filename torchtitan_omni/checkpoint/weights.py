@@ -49,7 +49,11 @@ def parse_sources(entries: list[str]) -> list[WeightSource]:
         if not eq or not part or not path:
             raise CheckpointFormatError(f"weights.sources entry {entry!r} is not 'part=path'")
         for other in out:
-            if other.part == part or other.part.startswith(part + ".") or part.startswith(other.part + "."):
+            if (
+                other.part == part
+                or other.part.startswith(part + ".")
+                or part.startswith(other.part + ".")
+            ):
                 raise CheckpointFormatError(
                     f"weights.sources gives overlapping parts {other.part!r} and {part!r}"
                 )
@@ -105,7 +109,8 @@ def load_part_from_dcp(model: nn.Module, part: str, path: str) -> LoadReport:
             problems.append(f"{key} in {folder} is not a tensor")
         elif tuple(md.size) != tuple(t.shape):
             problems.append(
-                f"shape mismatch: {key} is {tuple(t.shape)} in the model, {tuple(md.size)} in {folder}"
+                f"shape mismatch: {key} is {tuple(t.shape)} in the model, {tuple(md.size)} in "
+                f"{folder}"
             )
     if problems:
         hint = (" (an adapter-only LoRA checkpoint: it holds no base weights)"
@@ -141,7 +146,9 @@ def load_initial_weights(model: nn.Module, entries: list[str]) -> list[LoadRepor
                 + ("no such folder" if not os.path.isdir(src.path)
                    else "neither a Hugging Face safetensors folder nor a DCP checkpoint")
             )
-        read = f", {report.bytes_read / 2**20:.1f} MiB read by this rank" if report.bytes_read else ""
+        read = (
+            f", {report.bytes_read / 2**20:.1f} MiB read by this rank" if report.bytes_read else ""
+        )
         logger.info(
             f"Loaded {src.part} from {kind} {report.path}: {report.tensors} tensors "
             f"({report.checkpoint_bytes / 2**20:.1f} MiB in full{read}) in "

@@ -62,7 +62,9 @@ class OmniMetricsProcessor(MetricsProcessor):
             "memory/max_reserved(%)": mem.max_reserved_pct,
         }
         if self.data_loading_times:
-            metrics["time_metrics/data_loading(s)"] = sum(self.data_loading_times) / len(self.data_loading_times)
+            metrics["time_metrics/data_loading(s)"] = sum(self.data_loading_times) / len(
+                self.data_loading_times
+            )
         for name, value in losses.items():
             metrics[f"loss_metrics/{name}"] = value
         metrics.update(extra_metrics or {})
@@ -78,7 +80,11 @@ class OmniMetricsProcessor(MetricsProcessor):
             f"{c.turquoise}memory: {mem.max_reserved_gib:5.2f}GiB({mem.max_reserved_pct:.2f}%)  "
             f"{c.blue}tps: {round(tps):,}  {c.cyan}tflops: {flops_per_s / 1e12:,.2f}  "
             f"{c.magenta}mfu: {mfu:.2f}%{c.reset}"
-            + (f"  compiled graphs: {metrics[COMPILED_GRAPHS]}" if COMPILED_GRAPHS in metrics else "")
+            + (
+                f"  compiled graphs: {metrics[COMPILED_GRAPHS]}"
+                if COMPILED_GRAPHS in metrics
+                else ""
+            )
             + (f"  {moe}" if (moe := console_summary(metrics)) else "")
         )
         self.ntokens_since_last_log = 0

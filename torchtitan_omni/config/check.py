@@ -2,8 +2,8 @@
 
 Exits 0 when the config (with the given overrides, for ``NGPU`` processes) is valid, else
 prints one line naming the problem and exits 2. With ``--help`` it prints every key, with its
-value under the config, and exits 0 (``run_train.sh --help`` shows this, without torchrun). ``run_train.sh`` runs it before torchrun so a
-bad key fails once, not once per rank.
+value under the config, and exits 0 (``run_train.sh --help`` shows this, without torchrun).
+``run_train.sh`` runs it before torchrun so a bad key fails once, not once per rank.
 """
 
 from __future__ import annotations

@@ -79,8 +79,10 @@ _BUDGET = "only read by activation_checkpoint.mode 'memory_budget', which is not
 _FLOAT8 = "TorchTitan's float8 converter; only together with model.converters = ['float8']"
 _MX = "MX formats are not supported; model.converters takes only 'float8'"
 _FT = "TorchFT fault tolerance is not integrated; resume from checkpoints (checkpoint.enable)"
-_VALIDATION = ("read by the omni validator (torchtitan_omni.eval.validator) when validation.enable; "
-               "values checked with validation.enable")
+_VALIDATION = (
+    "read by the omni validator (torchtitan_omni.eval.validator) when validation.enable; "
+    "values checked with validation.enable"
+)
 _ESTIMATION = ("memory estimation is not run by the omni trainer; "
                "a short run logs the peak memory per step")
 

@@ -37,7 +37,9 @@ def collate(
         for doc in docs:
             length = len(doc)
             if offset + length > row_len:
-                raise ValueError(f"documents of {offset + length} tokens do not fit a row of {row_len}")
+                raise ValueError(
+                    f"documents of {offset + length} tokens do not fit a row of {row_len}"
+                )
             window = slice(offset, offset + length)
             tokens[r, window] = doc.tokens
             positions[r, window] = np.arange(length)

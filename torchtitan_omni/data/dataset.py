@@ -87,7 +87,9 @@ class OmniDataset(IterableDataset, Stateful):
             self.handler(bad)
             return []
         except Exception as e:  # name the row for anything unexpected
-            raise RuntimeError(f"{source}: unexpected error while processing the sample: {e!r}") from e
+            raise RuntimeError(
+                f"{source}: unexpected error while processing the sample: {e!r}"
+            ) from e
         for i, d in enumerate(docs):
             d.key = (epoch, q, i, index, count)
         return docs
@@ -158,7 +160,9 @@ class OmniDataset(IterableDataset, Stateful):
                            and not (self._exclude and self._exclude["epoch"] == self.epoch))
             self._epoch_docs = 0
             produced = 0
-            reader = self._pending_rows() if self._pending is not None else self._regular_rows(shard)
+            reader = (
+                self._pending_rows() if self._pending is not None else self._regular_rows(shard)
+            )
             for item in reader:
                 produced += 1
                 yield item
@@ -213,7 +217,9 @@ class OmniDataset(IterableDataset, Stateful):
             row_len = self.plan.row_length(longest)
             if self.plan.fixed_length:
                 rows_docs += [[] for _ in range(self.plan.packed_rows - len(rows_docs))]
-            batch, labels = collate(rows_docs, row_len, self.encoder.sp.pad, self.encoder.processors)
+            batch, labels = collate(
+                rows_docs, row_len, self.encoder.sp.pad, self.encoder.processors
+            )
             yield batch, labels, {"shard": shard.index, "skipped": self.handler.stats()}
 
     # ----------------------------------------------------------------- state
@@ -296,4 +302,3 @@ class OmniDataset(IterableDataset, Stateful):
 def empty_stats() -> dict[str, int]:
     """Skipped-sample counters with every reason at zero."""
     return BadSampleHandler().stats()
-

@@ -175,7 +175,9 @@ def check_data_config(data, seq_len: int) -> None:
     """Raise ValueError naming the first impossible [data] value (also run at start-up)."""
     unknown = set(data.modalities) - set(MODALITIES)
     if unknown:
-        raise ValueError(f"data.modalities has unknown {sorted(unknown)} (known: {', '.join(MODALITIES)})")
+        raise ValueError(
+            f"data.modalities has unknown {sorted(unknown)} (known: {', '.join(MODALITIES)})"
+        )
     if not 0.0 <= data.gen_cfg_drop_prob <= 1.0:
         raise ValueError(f"data.gen_cfg_drop_prob must be in [0, 1], got {data.gen_cfg_drop_prob}")
     if data.token_budget < 0:
@@ -246,7 +248,10 @@ def build_omni_dataloader(
     )
     ulysses = getattr(job_config.parallelism, "ulysses_degree", 1)
     if seq_len % ulysses:
-        raise ValueError(f"training.seq_len ({seq_len}) must be a multiple of parallelism.ulysses_degree ({ulysses})")
+        raise ValueError(
+            f"training.seq_len ({seq_len}) must be a multiple of parallelism.ulysses_degree "
+            f"({ulysses})"
+        )
     plan = BatchPlan(
         seq_len=seq_len, rows=rows, token_budget=data.token_budget, packing=data.packing,
         fixed_length=data.pad_to_fixed_length, multiple=math.lcm(data.pad_multiple, ulysses),

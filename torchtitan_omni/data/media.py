@@ -25,7 +25,9 @@ def resolve(ref: Any, root: str, kind: str, source: Source | None) -> tuple[Any,
             return resolve(ref["bytes"], root, kind, source)
         if ref.get("path") is not None:
             return resolve(ref["path"], root, kind, source)
-        raise BadSample(MISSING_MEDIA, f"{kind} reference {ref!r:.80} has neither bytes nor path", source)
+        raise BadSample(
+            MISSING_MEDIA, f"{kind} reference {ref!r:.80} has neither bytes nor path", source
+        )
     if isinstance(ref, (bytes, bytearray, memoryview)):
         return io.BytesIO(bytes(ref)), f"inline {kind} bytes"
     if isinstance(ref, str):
@@ -34,7 +36,9 @@ def resolve(ref: Any, root: str, kind: str, source: Source | None) -> tuple[Any,
                 payload = ref.split(",", 1)[1]
                 return io.BytesIO(base64.b64decode(payload)), f"inline {kind} data URL"
             except (IndexError, ValueError) as e:
-                raise BadSample(CORRUPT_MEDIA, f"{kind} data URL cannot be decoded: {e}", source) from None
+                raise BadSample(
+                    CORRUPT_MEDIA, f"{kind} data URL cannot be decoded: {e}", source
+                ) from None
         path = ref if os.path.isabs(ref) else os.path.join(root, ref)
         if not os.path.isfile(path):
             raise BadSample(MISSING_MEDIA, f"{kind} file {path} not found", source)
@@ -51,7 +55,7 @@ def load_image(ref: Any, root: str, source: Source | None = None, kind: str = "i
         with Image.open(target) as img:
             img.load()
             return img.convert("RGB")
-    except Exception as e:  # PIL raises many types for bad files
+    except Exception as e:  # noqa: BLE001  (PIL raises many types for bad files)
         raise BadSample(CORRUPT_MEDIA, f"{kind} {name} cannot be decoded: {e}", source) from None
 
 
@@ -64,7 +68,9 @@ class Video:
     source_frames: int
 
 
-def _frame_indices(total: int, duration: float, fps: float, max_frames: int, group: int) -> list[int]:
+def _frame_indices(
+    total: int, duration: float, fps: float, max_frames: int, group: int
+) -> list[int]:
     """Frames sampled at ``fps`` (at most ``max_frames``), a multiple of ``group`` of them."""
     n = int(round(duration * fps))
     n = max(group, min(n, max_frames))
@@ -113,7 +119,7 @@ def load_video(ref: Any, root: str, fps: float, max_frames: int, group: int,
                     break
     except BadSample:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (PyAV raises many types for bad files)
         raise BadSample(CORRUPT_MEDIA, f"video {name} cannot be decoded: {e}", source) from None
     if not picked:
         raise BadSample(CORRUPT_MEDIA, f"video {name} has no decodable frames", source)
@@ -131,7 +137,7 @@ def load_audio(ref: Any, root: str, source: Source | None = None) -> tuple[np.nd
 
         data, rate = sf.read(target, dtype="float32", always_2d=True)
         wave = data.mean(axis=1)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (any failure: PyAV gets its turn below)
         errors.append(str(e))
         wave, rate = None, 0
     if wave is None:
@@ -139,7 +145,7 @@ def load_audio(ref: Any, root: str, source: Source | None = None) -> tuple[np.nd
             target.seek(0)
         try:
             wave, rate = _decode_audio_av(target)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (reported with soundfile's error below)
             errors.append(str(e))
     if wave is None or wave.size == 0 or not np.isfinite(wave).all():
         why = "; ".join(errors) or "empty or non-finite samples"

@@ -35,7 +35,11 @@ class BatchPlan:
     multiple: int = 1
 
     def __post_init__(self) -> None:
-        if self.token_budget and self.token_budget < self.seq_len and (self.packing or self.fixed_length):
+        if (
+            self.token_budget
+            and self.token_budget < self.seq_len
+            and (self.packing or self.fixed_length)
+        ):
             raise ValueError(
                 f"data.token_budget ({self.token_budget}) must be at least training.seq_len "
                 f"({self.seq_len}) when rows are packed or of fixed length"
@@ -62,7 +66,11 @@ class BatchPlan:
 
     def tokens_wanted(self) -> int:
         """Buffered tokens that let a batch fill up."""
-        return self.packed_rows * self.seq_len if (self.packing or not self.token_budget) else self.token_budget
+        return (
+            self.packed_rows * self.seq_len
+            if (self.packing or not self.token_budget)
+            else self.token_budget
+        )
 
     def select(self, lengths: list[int]) -> list[list[int]]:
         """Rows of buffer indices (``lengths`` in arrival order) forming the next batch."""
@@ -98,7 +106,9 @@ class BatchPlan:
     def _budget(self, lengths: list[int]) -> list[list[int]]:
         chosen = [0]
         longest = lengths[0]
-        by_closeness = sorted(range(1, len(lengths)), key=lambda i: (abs(lengths[i] - lengths[0]), i))
+        by_closeness = sorted(
+            range(1, len(lengths)), key=lambda i: (abs(lengths[i] - lengths[0]), i)
+        )
         for i in by_closeness:
             new_longest = max(longest, lengths[i])
             if (len(chosen) + 1) * self.row_length(new_longest) > self.token_budget:

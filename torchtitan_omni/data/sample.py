@@ -115,7 +115,9 @@ def _content_text(content: Any, media: dict[str, list[Any]], inline: dict[str, l
             pieces.append(part.get("text") or "")
         elif kind in st.PLACEHOLDERS:
             pieces.append(st.PLACEHOLDERS[kind])
-            value = next((part[k] for k in (kind, "path", "url", "bytes") if part.get(k) is not None), None)
+            value = next(
+                (part[k] for k in (kind, "path", "url", "bytes") if part.get(k) is not None), None
+            )
             inline[kind].append(value)
         else:
             raise BadSample(MALFORMED, f"unknown content part {part!r:.80}", source)
@@ -155,7 +157,9 @@ def _merge_inline(media, inline, source) -> None:
         if given:
             if media[modality]:
                 raise BadSample(
-                    MALFORMED, f"{modality} given both in content parts and at the top level", source
+                    MALFORMED,
+                    f"{modality} given both in content parts and at the top level",
+                    source,
                 )
             media[modality] = given
 
@@ -165,19 +169,24 @@ def _check_placeholders(sample: Sample) -> None:
     for role, text in sample.segments():
         for token in st.MEDIA_TOKENS:
             if token in text:
-                raise BadSample(UNKNOWN_PLACEHOLDER, f"text contains the special token {token}", sample.source)
+                raise BadSample(
+                    UNKNOWN_PLACEHOLDER, f"text contains the special token {token}", sample.source
+                )
         for m in _LOOKALIKE.finditer(text):
             if m.group(0) not in _MODALITY_OF:
                 raise BadSample(
                     UNKNOWN_PLACEHOLDER,
-                    f"unknown placeholder {m.group(0)!r} (known: {', '.join(st.PLACEHOLDERS.values())})",
+                    f"unknown placeholder {m.group(0)!r} (known: "
+                    f"{', '.join(st.PLACEHOLDERS.values())})",
                     sample.source,
                 )
         for piece in split_placeholders(text):
             if isinstance(piece, tuple):
                 counts[piece[0]] += 1
                 if piece[0] == GEN_IMAGE and role in ("user", "system"):
-                    raise BadSample(MALFORMED, f"{st.PLACEHOLDERS[GEN_IMAGE]} in a {role} turn", sample.source)
+                    raise BadSample(
+                        MALFORMED, f"{st.PLACEHOLDERS[GEN_IMAGE]} in a {role} turn", sample.source
+                    )
     for modality, n in counts.items():
         have = len(sample.media.get(modality, []))
         if n != have:
@@ -217,7 +226,8 @@ def parse_row(row: dict, source: Source) -> Sample:
     else:
         keys = ", ".join(sorted(k for k, v in row.items() if v is not None)) or "none"
         raise BadSample(
-            MALFORMED, f"no 'messages', 'conversations', 'text' or 'caption'+'gen_image' (keys: {keys})",
+            MALFORMED,
+            f"no 'messages', 'conversations', 'text' or 'caption'+'gen_image' (keys: {keys})",
             source,
         )
     _merge_inline(media, inline, source)

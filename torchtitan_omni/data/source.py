@@ -69,7 +69,7 @@ def _load_parquet(file: str, streaming: bool):
     try:
         ds = datasets.load_dataset("parquet", data_files=[file], split="train",
                                    streaming=streaming)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (datasets/pyarrow raise many types for bad files)
         raise DataFileError(f"cannot read Parquet file {file}: {e}") from None
     # Keep encoded media as {"bytes", "path"}: the processors decode it themselves.
     features = getattr(ds, "features", None) or {}
@@ -162,7 +162,9 @@ class RowSource:
         return order
 
     # ----------------------------------------------------------------- both
-    def shard_rows(self, shard: ShardSpec, epoch: int, start: int = 0) -> Iterator[tuple[int, dict, Source]]:
+    def shard_rows(
+        self, shard: ShardSpec, epoch: int, start: int = 0
+    ) -> Iterator[tuple[int, dict, Source]]:
         """``(q, row, source)`` for the shard's rows ``q >= start`` of ``epoch``."""
         if self.streaming:
             yield from self._stream(shard, epoch, start)
@@ -185,7 +187,9 @@ class RowSource:
         perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.files))
         return [int(i) for i in perm]
 
-    def _stream(self, shard: ShardSpec, epoch: int, start: int) -> Iterator[tuple[int, dict, Source]]:
+    def _stream(
+        self, shard: ShardSpec, epoch: int, start: int
+    ) -> Iterator[tuple[int, dict, Source]]:
         files = self._file_order(epoch)
         by_file = len(files) % shard.count == 0
         if by_file:

@@ -9,4 +9,12 @@
 from torchtitan_omni.decoders.gen_image import GenImageArgs, GenImageDecoder
 from torchtitan_omni.decoders.vq import VQArgs, VQTokenizer, load_vq, read_vq_args, save_vq
 
-__all__ = ["GenImageArgs", "GenImageDecoder", "VQArgs", "VQTokenizer", "load_vq", "read_vq_args", "save_vq"]
+__all__ = [
+    "GenImageArgs",
+    "GenImageDecoder",
+    "VQArgs",
+    "VQTokenizer",
+    "load_vq",
+    "read_vq_args",
+    "save_vq",
+]

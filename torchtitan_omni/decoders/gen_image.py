@@ -81,8 +81,12 @@ class GenImageDecoder(OmniDecoder):
         self.args = args
         self.llm_dim = llm_dim
         self.vq = VQTokenizer(args.vq)
-        self.aligner = GenAligner(args.vq.codebook_size, args.vq.codebook_dim, llm_dim, args.aligner_depth)
-        self.head = MLPProjector(llm_dim, args.vq.codebook_size, args.head_hidden or llm_dim, args.head_depth)
+        self.aligner = GenAligner(
+            args.vq.codebook_size, args.vq.codebook_dim, llm_dim, args.aligner_depth
+        )
+        self.head = MLPProjector(
+            llm_dim, args.vq.codebook_size, args.head_hidden or llm_dim, args.head_depth
+        )
         self.vq.requires_grad_(False)
         self.vq.eval()
 
@@ -121,7 +125,9 @@ class GenImageDecoder(OmniDecoder):
             return self.vq(ids, op="decode").clamp(-1.0, 1.0)
 
     def processing(self):
-        return GenImageProcessing(image_size=self.args.vq.image_size, downsample=self.args.vq.downsample)
+        return GenImageProcessing(
+            image_size=self.args.vq.image_size, downsample=self.args.vq.downsample
+        )
 
     def dummy_media(self, device: torch.device) -> dict[str, torch.Tensor]:
         """One blank target image (for plans that need every rank to run the VQ)."""

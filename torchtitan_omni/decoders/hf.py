@@ -48,10 +48,14 @@ def janus_vq_name(ours: str) -> str:
     return ours
 
 
-def _vq_sources(args: VQArgs, ours_prefix: str, hf_prefix: str, rename: bool = True) -> dict[str, HFSource]:
+def _vq_sources(
+    args: VQArgs, ours_prefix: str, hf_prefix: str, rename: bool = True
+) -> dict[str, HFSource]:
     with torch.device("meta"):
         names = list(VQTokenizer(args).state_dict())
-    return {f"{ours_prefix}{n}": one(hf_prefix + (janus_vq_name(n) if rename else n)) for n in names}
+    return {
+        f"{ours_prefix}{n}": one(hf_prefix + (janus_vq_name(n) if rename else n)) for n in names
+    }
 
 
 def _vq_config(args: VQArgs) -> dict:
@@ -110,8 +114,12 @@ class JanusGenAdapter(HFAdapter):
         p = self.prefix
         out = _vq_sources(self.args.vq, "vq.", f"{p}vqmodel.")
         out["aligner.embed.weight"] = one(f"{p}generation_embeddings.weight")
-        add_mlp_projector(out, "aligner.mlp", aligner_names(f"{p}generation_aligner.", self.args.aligner_depth))
-        add_mlp_projector(out, "head", [f"{p}generation_head.proj_out", f"{p}generation_head.vision_head"])
+        add_mlp_projector(
+            out, "aligner.mlp", aligner_names(f"{p}generation_aligner.", self.args.aligner_depth)
+        )
+        add_mlp_projector(
+            out, "head", [f"{p}generation_head.proj_out", f"{p}generation_head.vision_head"]
+        )
         return out
 
     def ignored_hf_keys(self) -> tuple[str, ...]:
@@ -124,4 +132,3 @@ class JanusGenAdapter(HFAdapter):
             "projection_dim": self.llm_dim, "image_token_embed_dim": self.llm_dim,
             "num_hidden_layers": self.args.aligner_depth,
         }
-

@@ -64,10 +64,15 @@ class VQArgs:
         if self.hf_format not in ("native", "janus"):
             raise ValueError(f"hf_format must be 'native' or 'janus', got {self.hf_format!r}")
         if self.image_size % self.downsample:
-            raise ValueError(f"image_size {self.image_size} is not a multiple of the downsampling {self.downsample}")
+            raise ValueError(
+                f"image_size {self.image_size} is not a multiple of the downsampling "
+                f"{self.downsample}"
+            )
         for c in [self.base_channels * m for m in self.channel_mult]:
             if c % self.norm_groups:
-                raise ValueError(f"{c} channels do not split into {self.norm_groups} GroupNorm groups")
+                raise ValueError(
+                    f"{c} channels do not split into {self.norm_groups} GroupNorm groups"
+                )
 
     @classmethod
     def debug(cls) -> "VQArgs":
@@ -136,7 +141,9 @@ class AttnBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, c, h, w = x.shape
         y = self.norm(x)
-        q, k, v = (conv(y).reshape(n, 1, c, h * w).transpose(2, 3) for conv in (self.q, self.k, self.v))
+        q, k, v = (
+            conv(y).reshape(n, 1, c, h * w).transpose(2, 3) for conv in (self.q, self.k, self.v)
+        )
         o = F.scaled_dot_product_attention(q, k, v)  # [n, 1, hw, c]
         return x + self.proj(o.transpose(2, 3).reshape(n, c, h, w))
 
@@ -183,8 +190,12 @@ class Level(nn.Module):
     def __init__(self, args: VQArgs, c_in: int, c_out: int, n_blocks: int, attention: bool,
                  resample: nn.Module | None) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(ResBlock(args, c_in if i == 0 else c_out, c_out) for i in range(n_blocks))
-        self.attns = nn.ModuleList(AttnBlock(args, c_out) for _ in range(n_blocks)) if attention else None
+        self.blocks = nn.ModuleList(
+            ResBlock(args, c_in if i == 0 else c_out, c_out) for i in range(n_blocks)
+        )
+        self.attns = (
+            nn.ModuleList(AttnBlock(args, c_out) for _ in range(n_blocks)) if attention else None
+        )
         self.resample = resample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,7 +239,9 @@ class VQDecoder(nn.Module):
 
     def __init__(self, args: VQArgs) -> None:
         super().__init__()
-        ch = [args.base_channels * m for m in reversed(args.channel_mult)]  # lowest resolution first
+        ch = [
+            args.base_channels * m for m in reversed(args.channel_mult)
+        ]  # lowest resolution first
         last = len(ch) - 1
         self.post_quant_conv = nn.Conv2d(args.codebook_dim, args.z_channels, 1)
         self.conv_in = nn.Conv2d(args.z_channels, ch[0], 3, padding=1)
@@ -323,7 +336,9 @@ def restart_dead_codes(quantizer: Quantizer, usage: torch.Tensor, z_flat: torch.
     if dead.numel() == 0 or z_flat.shape[0] == 0:
         return 0
     pick = torch.randint(0, z_flat.shape[0], (dead.numel(),), generator=generator, device="cpu")
-    quantizer.codebook.weight[dead] = z_flat[pick.to(z_flat.device)].to(quantizer.codebook.weight.dtype)
+    quantizer.codebook.weight[dead] = z_flat[pick.to(z_flat.device)].to(
+        quantizer.codebook.weight.dtype
+    )
     return int(dead.numel())
 
 
@@ -378,18 +393,26 @@ class VQTokenizer(nn.Module):
     def _checked_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         a = self.args
         if pixels.dim() != 4 or pixels.shape[1] != a.in_channels:
-            raise ValueError(f"VQ pixels must be [n, {a.in_channels}, H, W], got {tuple(pixels.shape)}")
+            raise ValueError(
+                f"VQ pixels must be [n, {a.in_channels}, H, W], got {tuple(pixels.shape)}"
+            )
         h, w = pixels.shape[2:]
         if h % a.downsample or w % a.downsample:
-            raise ValueError(f"VQ image size {h}x{w} is not a multiple of the downsampling {a.downsample}")
+            raise ValueError(
+                f"VQ image size {h}x{w} is not a multiple of the downsampling {a.downsample}"
+            )
         return pixels.to(self.encoder.conv_in.weight.dtype)
 
     def _code_vectors(self, codes: torch.Tensor) -> torch.Tensor:
         if codes.dim() != 2 or codes.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"VQ codes must be integer [n, h * w], got {codes.dtype} {tuple(codes.shape)}")
+            raise ValueError(
+                f"VQ codes must be integer [n, h * w], got {codes.dtype} {tuple(codes.shape)}"
+            )
         side = math.isqrt(codes.shape[1])
         if side * side != codes.shape[1]:
-            raise ValueError(f"VQ decode needs a square grid of codes, got {codes.shape[1]} per image")
+            raise ValueError(
+                f"VQ decode needs a square grid of codes, got {codes.shape[1]} per image"
+            )
         if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.args.codebook_size):
             raise ValueError(
                 f"VQ codes must lie in [0, {self.args.codebook_size}), got [{int(codes.min())}, "
@@ -402,7 +425,11 @@ class VQTokenizer(nn.Module):
         """The tensor naming of the checkpoints this tokenizer loads (``VQArgs.hf_format``)."""
         from torchtitan_omni.decoders.hf import JanusVQAdapter, NativeVQAdapter
 
-        return JanusVQAdapter(self.args) if self.args.hf_format == "janus" else NativeVQAdapter(self.args)
+        return (
+            JanusVQAdapter(self.args)
+            if self.args.hf_format == "janus"
+            else NativeVQAdapter(self.args)
+        )
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """PyTorch's default conv init (layout-invariant), unit GroupNorms, unit-normal codes."""
@@ -470,7 +497,9 @@ def load_vq(vq: VQTokenizer, path: str) -> None:
     missing = sorted(set(own) - set(tensors))
     unexpected = sorted(set(tensors) - set(own))
     if missing or unexpected:
-        raise ValueError(f"{path}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+        raise ValueError(
+            f"{path}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}"
+        )
     with torch.no_grad():
         for name, value in own.items():
             value.copy_(tensors[name])

@@ -6,7 +6,8 @@ tensor of at least :data:`MIN_BYTES` that is not a parameter is copied to pinned
 and copied back when backward needs it: without activation checkpointing everything the
 block saves, with full checkpointing the block inputs it keeps (per-op checkpointing caches the
 matrix-product outputs itself: those stay). Longer sequences fit; the copies go over PCIe on
-the compute stream, so steps slow down by their time. Parameters (FSDP's gathered weights) are never copied: they are on the GPU anyway.
+the compute stream, so steps slow down by their time. Parameters (FSDP's gathered weights) are
+never copied: they are on the GPU anyway.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch.nn as nn
 
 
-def ulysses_problem(n_heads: int, n_kv_heads: int, degree: int, where: str = "the model") -> str | None:
+def ulysses_problem(
+    n_heads: int, n_kv_heads: int, degree: int, where: str = "the model"
+) -> str | None:
     """Why Ulysses at ``degree`` cannot split this attention, or None.
 
     Each rank takes ``n_heads / degree`` q heads; kv heads are repeated (at most up to the q

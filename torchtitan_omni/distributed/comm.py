@@ -30,7 +30,8 @@ ProcessGroup = dist.ProcessGroup
 
 # ----------------------------------------------------------------- even all-to-all (Ulysses)
 def _pack(x: torch.Tensor, scatter_dim: int, world: int) -> torch.Tensor:
-    """``x`` -> ``[world, *x.shape]`` with ``scatter_dim`` divided: chunk ``j`` goes to rank ``j``."""
+    """``x`` -> ``[world, *x.shape]`` with ``scatter_dim`` divided: chunk ``j`` goes to rank
+    ``j``."""
     if x.shape[scatter_dim] % world:
         raise ValueError(
             f"all-to-all: dimension {scatter_dim} of a tensor of shape {tuple(x.shape)} is not "
@@ -51,7 +52,9 @@ def _launch(packed: torch.Tensor, group: ProcessGroup, async_op: bool):
     return out, work
 
 
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup
+) -> torch.Tensor:
     """Split ``x`` along ``scatter_dim`` over the group and concatenate what arrives along
     ``gather_dim`` (rank order). Ulysses: ``scatter_dim`` = heads, ``gather_dim`` = sequence.
 
@@ -226,7 +229,9 @@ class _GatherRows(Function):
         ctx.sizes, ctx.group = sizes, group
         rank = dist.get_rank(group)
         if x.shape[0] != sizes[rank]:
-            raise ValueError(f"gather_rows: rank {rank} has {x.shape[0]} rows, expected {sizes[rank]}")
+            raise ValueError(
+                f"gather_rows: rank {rank} has {x.shape[0]} rows, expected {sizes[rank]}"
+            )
         out = x.new_empty((sum(sizes), *x.shape[1:]))
         # One all-to-all: every rank sends its rows to every rank.
         send = x.contiguous().repeat((group.size(),) + (1,) * (x.dim() - 1))
@@ -240,7 +245,9 @@ class _GatherRows(Function):
         rank = dist.get_rank(group)
         mine = sizes[rank]
         recv = grad.new_empty((mine * group.size(), *grad.shape[1:]))
-        dist.all_to_all_single(recv, grad.contiguous(), [mine] * group.size(), list(sizes), group=group)
+        dist.all_to_all_single(
+            recv, grad.contiguous(), [mine] * group.size(), list(sizes), group=group
+        )
         return recv.view(group.size(), mine, *grad.shape[1:]).sum(0), None, None
 
 

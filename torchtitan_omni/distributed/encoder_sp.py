@@ -9,10 +9,10 @@ sequence), hence the same media. Two ways keep the encoders correct:
 - ``"split"`` (:func:`install_split_encoders`: the :class:`SplitMediaEncoder` mixin): SP rank r
   encodes a contiguous share of the media items (balanced by patch/row count), and the
   embeddings are gathered on every SP rank (:func:`torchtitan_omni.distributed.comm
-  .gather_rows`, whose backward sums each item's row gradients over the SP ranks). Each rank encodes ~1/SP of the media. Needs encoders that treat
-  items independently (true of the vision, SigLIP and Whisper-style encoders: per-item
-  attention); a rank without items encodes the encoder's dummy item times zero so that FSDP's
-  collectives still match.
+  .gather_rows`, whose backward sums each item's row gradients over the SP ranks). Each rank
+  encodes ~1/SP of the media. Needs encoders that treat items independently (true of the
+  vision, SigLIP and Whisper-style encoders: per-item attention); a rank without items encodes
+  the encoder's dummy item times zero so that FSDP's collectives still match.
 
 Items are recognised from the processing contract (``torchtitan_omni.protocols.processing``):
 with a ``grid_thw`` tensor, an item owns ``t*h*w`` rows of every tensor whose first dimension

@@ -170,7 +170,9 @@ def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> int:
             raise ValueError(
                 f"expert_parallel_degree {degree} does not divide the {num_experts} experts"
             )
-        dist_p = nn.Parameter(distribute_tensor(p, ep_mesh, [Shard(0)]), requires_grad=p.requires_grad)
+        dist_p = nn.Parameter(
+            distribute_tensor(p, ep_mesh, [Shard(0)]), requires_grad=p.requires_grad
+        )
         experts.register_parameter(name, dist_p)
     return num_experts
 

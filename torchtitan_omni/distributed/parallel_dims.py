@@ -83,7 +83,9 @@ class OmniParallelDims(ParallelDims):
         efsdp = fsdp * self.tp // (self.etp * self.ep)
 
         loading = unflatten(("pp", "batch", "sp", "tp"), (self.pp, batch, self.sp, self.tp))
-        dense = unflatten(("pp", "dp_replicate", "fsdp", "tp"), (self.pp, self.dp_replicate, fsdp, self.tp))
+        dense = unflatten(
+            ("pp", "dp_replicate", "fsdp", "tp"), (self.pp, self.dp_replicate, fsdp, self.tp)
+        )
         sparse = unflatten(
             ("pp", "dp_replicate", "efsdp", "ep", "etp"),
             (self.pp, self.dp_replicate, efsdp, self.ep, self.etp),
@@ -103,7 +105,12 @@ class OmniParallelDims(ParallelDims):
             dp_shard_mesh = dense["fsdp"]
         loss = loading["batch", "sp"]._flatten("loss")
 
-        self._global_meshes = {"dataloading": loading, "loss": loss, "dense": dense, "sparse": sparse}
+        self._global_meshes = {
+            "dataloading": loading,
+            "loss": loss,
+            "dense": dense,
+            "sparse": sparse,
+        }
         self._meshes = {
             "pp": loading["pp"],
             "batch": loading["batch"],

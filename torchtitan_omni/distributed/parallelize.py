@@ -47,7 +47,9 @@ from torchtitan_omni.platform import is_cpu
 from torchtitan_omni.protocols.plan import OmniParallelPlan, PartLayout, name_matches
 
 
-def matching_modules(model: nn.Module, root: str, patterns: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+def matching_modules(
+    model: nn.Module, root: str, patterns: tuple[str, ...]
+) -> list[tuple[str, nn.Module]]:
     """Sub-modules of ``root`` whose relative names match any pattern, in model order."""
     prefix = f"{root}." if root else ""
     out = []
@@ -206,7 +208,9 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
 
 
 # ----------------------------------------------------------------- activation checkpointing
-def apply_activation_checkpointing(model: nn.Module, plan: OmniParallelPlan, job_config: JobConfig) -> dict[str, int]:
+def apply_activation_checkpointing(
+    model: nn.Module, plan: OmniParallelPlan, job_config: JobConfig
+) -> dict[str, int]:
     """Checkpoint each part's ``ac_units``: LLM by ``[activation_checkpoint]``, encoders and
     decoders by ``omni.encoder_activation_checkpoint``; returns units wrapped per part."""
     ac = job_config.activation_checkpoint
@@ -289,7 +293,9 @@ def apply_expert_dispatch(model: nn.Module, plan: OmniParallelPlan, dims: OmniPa
 
 
 # ----------------------------------------------------------------- entry point
-def parallelize_omni(model: nn.Module, parallel_dims: OmniParallelDims, job_config: JobConfig) -> nn.Module:
+def parallelize_omni(
+    model: nn.Module, parallel_dims: OmniParallelDims, job_config: JobConfig
+) -> nn.Module:
     """``TrainSpec.parallelize_fn`` of every omni spec: apply the model's declared plan."""
     plan: OmniParallelPlan = model.parallel_plan
     dims = parallel_dims
@@ -324,7 +330,9 @@ def parallelize_omni(model: nn.Module, parallel_dims: OmniParallelDims, job_conf
 
     ac = apply_activation_checkpointing(model, plan, job_config)
     if ac:
-        logger.info("Activation checkpointing: " + ", ".join(f"{k}: {v} units" for k, v in ac.items()))
+        logger.info(
+            "Activation checkpointing: " + ", ".join(f"{k}: {v} units" for k, v in ac.items())
+        )
 
     compiled = apply_compile(model, plan, job_config, graph_breaks=False if inside else None)
     if compiled:

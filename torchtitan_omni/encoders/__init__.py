@@ -12,4 +12,11 @@ from torchtitan_omni.encoders.audio import AudioArgs, AudioEncoder
 from torchtitan_omni.encoders.siglip import SiglipArgs, SiglipEncoder
 from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder
 
-__all__ = ["AudioArgs", "AudioEncoder", "SiglipArgs", "SiglipEncoder", "VisionArgs", "VisionEncoder"]
+__all__ = [
+    "AudioArgs",
+    "AudioEncoder",
+    "SiglipArgs",
+    "SiglipEncoder",
+    "VisionArgs",
+    "VisionEncoder",
+]

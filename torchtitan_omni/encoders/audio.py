@@ -61,7 +61,9 @@ class AudioArgs:
 
     def __post_init__(self) -> None:
         if self.hf_format not in ("whisper", "qwen2_audio"):
-            raise ValueError(f"hf_format must be 'whisper' or 'qwen2_audio', got {self.hf_format!r}")
+            raise ValueError(
+                f"hf_format must be 'whisper' or 'qwen2_audio', got {self.hf_format!r}"
+            )
 
     @classmethod
     def debug(cls) -> "AudioArgs":
@@ -135,7 +137,9 @@ class AudioEncoder(OmniEncoder):
         return EncoderBlock(a.dim, attn, GeluMLP(a.dim, a.mlp_dim), a.norm_eps)
 
     # ----------------------------------------------------------------- forward
-    def frames(self, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def frames(
+        self, features: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
         """Block outputs of the valid frames, packed ``[sum_i ceil(L_i / 2), dim]``, and the
         per-item frame counts after the strided conv."""
         lens = self._checked_lengths(features, lengths)
@@ -199,17 +203,22 @@ class AudioEncoder(OmniEncoder):
     def _checked_lengths(self, features: torch.Tensor, lengths: torch.Tensor) -> list[int]:
         a = self.args
         if features.dim() != 3 or features.shape[1] != a.n_mels:
-            raise ValueError(f"audio_features must be [n, {a.n_mels}, T], got {tuple(features.shape)}")
+            raise ValueError(
+                f"audio_features must be [n, {a.n_mels}, T], got {tuple(features.shape)}"
+            )
         if lengths.dim() != 1 or lengths.shape[0] != features.shape[0]:
             raise ValueError(
-                f"audio_lengths must be [n] with n = {features.shape[0]} clips, got {tuple(lengths.shape)}"
+                f"audio_lengths must be [n] with n = {features.shape[0]} clips, got "
+                f"{tuple(lengths.shape)}"
             )
         lens = [int(v) for v in lengths.tolist()]
         t = features.shape[2]
         limit = 2 * a.max_positions
         for i, length in enumerate(lens):
             if not 1 <= length <= t:
-                raise ValueError(f"audio_lengths[{i}] = {length} is outside [1, {t}] (features' frames)")
+                raise ValueError(
+                    f"audio_lengths[{i}] = {length} is outside [1, {t}] (features' frames)"
+                )
             if length > limit:
                 raise ValueError(
                     f"audio clip {i} has {length} mel frames, more than the {limit} of a "

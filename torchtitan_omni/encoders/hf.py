@@ -59,7 +59,8 @@ JANUS_LLM_KEYS = ("model.language_model.*", "lm_head.*")
 
 
 class Qwen2VLVisionAdapter(HFAdapter):
-    """Our ``VisionEncoder`` <-> Qwen2-VL's ``visual.*`` (``Qwen2VisionTransformerPretrainedModel``)."""
+    """Our ``VisionEncoder`` <-> Qwen2-VL's ``visual.*``
+    (``Qwen2VisionTransformerPretrainedModel``)."""
 
     def __init__(self, args: VisionArgs, llm_dim: int, prefix: str = "visual.") -> None:
         self.args, self.llm_dim, self.prefix = args, llm_dim, prefix
@@ -107,7 +108,12 @@ def _vision_tower_sources(args: SiglipArgs, p: str, out_proj: str) -> dict[str, 
     for i in range(args.n_layers):
         b = f"{p}encoder.layers.{i}."
         add_affine(out, f"blocks.{i}.norm1", f"{b}layer_norm1")
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", out_proj)):
+        for ours, theirs in (
+            ("wq", "q_proj"),
+            ("wk", "k_proj"),
+            ("wv", "v_proj"),
+            ("wo", out_proj),
+        ):
             add_affine(out, f"blocks.{i}.attn.{ours}", f"{b}self_attn.{theirs}")
         add_affine(out, f"blocks.{i}.norm2", f"{b}layer_norm2")
         add_affine(out, f"blocks.{i}.mlp.fc1", f"{b}mlp.fc1")
@@ -154,7 +160,9 @@ class JanusVisionAdapter(HFAdapter):
 
     def sources(self) -> dict[str, HFSource]:
         out = _vision_tower_sources(self.args, f"{self.prefix}vision_model.", "projection_layer")
-        add_mlp_projector(out, "aligner", aligner_names(f"{self.prefix}aligner.", self.args.aligner_depth))
+        add_mlp_projector(
+            out, "aligner", aligner_names(f"{self.prefix}aligner.", self.args.aligner_depth)
+        )
         return out
 
     def ignored_hf_keys(self) -> tuple[str, ...]:
@@ -164,9 +172,12 @@ class JanusVisionAdapter(HFAdapter):
     def hf_config(self) -> dict:
         act = "gelu_pytorch_tanh" if self.args.gelu_approximate == "tanh" else "gelu"
         return {
-            "model_type": "janus_vision_model", **_siglip_config(self.args, act),
-            "mlp_ratio": self.args.mlp_dim / self.args.dim, "attention_bias": True,
-            "projection_dim": self.args.aligner_hidden or self.llm_dim, "depth": self.args.aligner_depth,
+            "model_type": "janus_vision_model",
+            **_siglip_config(self.args, act),
+            "mlp_ratio": self.args.mlp_dim / self.args.dim,
+            "attention_bias": True,
+            "projection_dim": self.args.aligner_hidden or self.llm_dim,
+            "depth": self.args.aligner_depth,
             "num_image_tokens": self.args.num_patches,
         }
 
@@ -211,7 +222,12 @@ class WhisperEncoderAdapter(HFAdapter):
 
     def ignored_hf_keys(self) -> tuple[str, ...]:
         # The fixed sinusoid table (computed here) and Whisper's text decoder.
-        return (f"{self.prefix}embed_positions.weight", "model.decoder.*", "decoder.*", "proj_out.*")
+        return (
+            f"{self.prefix}embed_positions.weight",
+            "model.decoder.*",
+            "decoder.*",
+            "proj_out.*",
+        )
 
     def hf_config(self) -> dict:
         return {"model_type": "whisper", **_whisper_config(self.args)}
@@ -231,7 +247,10 @@ class Qwen2AudioAdapter(HFAdapter):
         return out
 
     def ignored_hf_keys(self) -> tuple[str, ...]:
-        return (f"{self.prefix}audio_tower.embed_positions.weight", f"{self.prefix}language_model.*")
+        return (
+            f"{self.prefix}audio_tower.embed_positions.weight",
+            f"{self.prefix}language_model.*",
+        )
 
     def hf_config(self) -> dict:
         return {"model_type": "qwen2_audio_encoder", **_whisper_config(self.args)}

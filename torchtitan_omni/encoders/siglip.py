@@ -55,7 +55,9 @@ class SiglipArgs:
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+            raise ValueError(
+                f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}"
+            )
         if self.hf_format not in ("siglip", "janus"):
             raise ValueError(f"hf_format must be 'siglip' or 'janus', got {self.hf_format!r}")
 
@@ -99,7 +101,9 @@ class SiglipEncoder(OmniEncoder):
             for _ in range(args.n_layers)
         )
         self.post_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
-        self.aligner = MLPProjector(args.dim, llm_dim, args.aligner_hidden or llm_dim, args.aligner_depth)
+        self.aligner = MLPProjector(
+            args.dim, llm_dim, args.aligner_hidden or llm_dim, args.aligner_depth
+        )
 
     def features(self, pixels: torch.Tensor) -> torch.Tensor:
         """Post-LayerNorm patch features ``[n, num_patches, dim]`` (before the aligner)."""

@@ -72,7 +72,9 @@ class VisionArgs:
 
     def __post_init__(self) -> None:
         if self.attention_span not in ("frame", "item"):
-            raise ValueError(f"attention_span must be 'frame' or 'item', got {self.attention_span!r}")
+            raise ValueError(
+                f"attention_span must be 'frame' or 'item', got {self.attention_span!r}"
+            )
         if self.hidden_act not in ("quick_gelu", "gelu"):
             raise ValueError(f"hidden_act must be 'quick_gelu' or 'gelu', got {self.hidden_act!r}")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 4:
@@ -101,9 +103,9 @@ class VisionArgs:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
-def patchify(frames: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int) -> tuple[
-    torch.Tensor, tuple[int, int, int]
-]:
+def patchify(
+    frames: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """Reference patch layout: ``frames`` ``[F, C, H, W]`` -> (patches, (t, h, w)).
 
     ``H`` and ``W`` must be multiples of ``patch_size * merge_size``. Frames are padded to a
@@ -112,7 +114,9 @@ def patchify(frames: torch.Tensor, patch_size: int, merge_size: int, temporal_pa
     f, c, height, width = frames.shape
     factor = patch_size * merge_size
     if height % factor or width % factor:
-        raise ValueError(f"frame size {height}x{width} is not a multiple of {factor} (patch x merge)")
+        raise ValueError(
+            f"frame size {height}x{width} is not a multiple of {factor} (patch x merge)"
+        )
     pad = -f % temporal_patch_size
     if pad:
         frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)], dim=0)
@@ -124,7 +128,9 @@ def patchify(frames: torch.Tensor, patch_size: int, merge_size: int, temporal_pa
     return x.reshape(t * h * w, c * temporal_patch_size * p * p), (t, h, w)
 
 
-def merge_window_positions(grid: list[list[int]], merge_size: int, device: torch.device) -> torch.Tensor:
+def merge_window_positions(
+    grid: list[list[int]], merge_size: int, device: torch.device
+) -> torch.Tensor:
     """(row, column) of every patch, in the merge-window order of :func:`patchify`: ``[N, 2]``."""
     out = []
     m = merge_size
@@ -253,7 +259,9 @@ class VisionEncoder(OmniEncoder):
             return [t * h * w for t, h, w in grid]
         return [h * w for t, h, w in grid for _ in range(t)]
 
-    def _checked(self, media: dict[str, torch.Tensor], modality: str) -> tuple[torch.Tensor, list[list[int]]]:
+    def _checked(
+        self, media: dict[str, torch.Tensor], modality: str
+    ) -> tuple[torch.Tensor, list[list[int]]]:
         """The patches and the grid as a list, after checking they describe each other."""
         for key in ("patches", "grid_thw"):
             if key not in media:
@@ -264,7 +272,8 @@ class VisionEncoder(OmniEncoder):
             raise ValueError(f"{modality}_grid_thw must be [n_items, 3], got {tuple(grid_t.shape)}")
         if patches.dim() != 2 or patches.shape[1] != self.args.patch_dim:
             raise ValueError(
-                f"{modality}_patches must be [N, {self.args.patch_dim}] (3 x {self.args.temporal_patch_size}"
+                f"{modality}_patches must be [N, {self.args.patch_dim}] (3 x "
+                f"{self.args.temporal_patch_size}"
                 f" x {self.args.patch_size}^2), got {tuple(patches.shape)}"
             )
         grid = grid_t.tolist()

@@ -79,8 +79,12 @@ class DecoderLM(Foundation):
         self.args = args
         self.dim = args.dim
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.rope = RotaryEmbedding(args.resolved_head_dim, args.max_seq_len, args.rope_theta, rope_scaling)
-        self.layers = nn.ModuleDict({str(i): make_block(i, self.rope) for i in range(args.n_layers)})
+        self.rope = RotaryEmbedding(
+            args.resolved_head_dim, args.max_seq_len, args.rope_theta, rope_scaling
+        )
+        self.layers = nn.ModuleDict(
+            {str(i): make_block(i, self.rope) for i in range(args.n_layers)}
+        )
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # head(hidden, targets) gives the summed loss without keeping every logit
         self.output = LinearHead(args.dim, args.vocab_size, bias=False)

@@ -173,7 +173,9 @@ class Qwen3MoeHFAdapter(_DecoderLMHFAdapter):
     def layer_ffn_sources(self, ours: str, hf: str) -> dict[str, HFSource]:
         out = {f"{ours}moe.gate.weight": _one(f"{hf}mlp.gate.weight")}
         for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-            keys = tuple(f"{hf}mlp.experts.{e}.{theirs}.weight" for e in range(self.args.num_experts))
+            keys = tuple(
+                f"{hf}mlp.experts.{e}.{theirs}.weight" for e in range(self.args.num_experts)
+            )
             out[f"{ours}moe.experts.{mine}"] = HFSource(keys=keys, stack_dim=0)
         return out
 

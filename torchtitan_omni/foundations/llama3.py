@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn as nn
 
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.modules.mlp import SwiGLU

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_omni.modules.attention import SelfAttention

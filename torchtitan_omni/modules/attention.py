@@ -132,7 +132,9 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 class AttentionRunner(Protocol):
     """Orders a ``SelfAttention``'s projections, core attention and communication."""
 
-    def __call__(self, attn: "SelfAttention", x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor: ...
+    def __call__(
+        self, attn: "SelfAttention", x: torch.Tensor, meta: AttentionMeta
+    ) -> torch.Tensor: ...
 
 
 class KVCache:
@@ -149,7 +151,9 @@ class KVCache:
         """Cached positions (0 before the first call)."""
         return next(iter(self._kv.values()))[0].shape[1] if self._kv else 0
 
-    def append(self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add this step's keys/values for ``layer``; return all of them."""
         key = id(layer)
         if key in self._kv:
@@ -164,7 +168,8 @@ class KVCache:
 
 
 def _cached_attention(q, k, v, causal: bool) -> torch.Tensor:
-    """``q`` ``[B, Sq, H, D]`` over the cache ``[B, T, Hkv, D]``; queries are the last Sq positions."""
+    """``q`` ``[B, Sq, H, D]`` over the cache ``[B, T, Hkv, D]``; queries are the last Sq
+    positions."""
     n_rep = q.shape[2] // k.shape[2]
     if n_rep > 1:
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
@@ -173,12 +178,15 @@ def _cached_attention(q, k, v, causal: bool) -> torch.Tensor:
     if causal and sq > 1:
         # query i (absolute position t - sq + i) sees keys 0 .. t - sq + i
         mask = torch.ones(sq, t, dtype=torch.bool, device=q.device).tril(diagonal=t - sq)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+    )
     return o.transpose(1, 2)
 
 
 def run_local(attn: "SelfAttention", x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-    """Single-rank attention: project, attend within documents (or over the KV cache), project out."""
+    """Single-rank attention: project, attend within documents (or over the KV cache), project
+    out."""
     q, k, v = attn.project_qkv(x, meta)
     if meta.kv_cache is not None:
         k, v = meta.kv_cache.append(attn, k, v)
@@ -204,7 +212,9 @@ class SelfAttention(nn.Module):
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads or n_heads
         if n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+            raise ValueError(
+                f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
         self.head_dim = head_dim or dim // n_heads
         self.causal = causal
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=qkv_bias)
@@ -238,7 +248,9 @@ class SelfAttention(nn.Module):
         """q, k and v at once (modules with one fused projection override it: one GEMM)."""
         return self.project(x, "q", meta), self.project(x, "k", meta), self.project(x, "v", meta)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta
+    ) -> torch.Tensor:
         """Attention over the full packed sequence: ``[B, S, H, D]`` in and out."""
         causal = self.causal and meta.causal
         if meta.whole_rows and causal and q.is_cuda:

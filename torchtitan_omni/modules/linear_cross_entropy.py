@@ -28,7 +28,9 @@ CHUNK_BYTES = 1 << 29
 ChunkKernel = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def loss_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_and_logit_grad(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of ``logits`` ``[C, V]`` for ``targets`` ``[C]``, and its gradient
     with respect to the logits (``softmax - one_hot``), in the logits' dtype."""
     x = logits.float()
@@ -51,7 +53,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if needs_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_w else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            if needs_w
+            else None
+        )
         grad_b = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
                   if needs_b and bias is not None else None)
         for start in range(0, hidden.shape[0], rows):

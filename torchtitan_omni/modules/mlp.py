@@ -10,7 +10,8 @@ from torchtitan_omni.modules import init
 
 
 class SwiGLU(nn.Module):
-    """``w2(silu(w1 x) * w3 x)`` (Llama/Qwen MLP; HF names gate_proj=w1, up_proj=w3, down_proj=w2)."""
+    """``w2(silu(w1 x) * w3 x)`` (Llama/Qwen MLP; HF names gate_proj=w1, up_proj=w3,
+    down_proj=w2)."""
 
     def __init__(self, dim: int, hidden_dim: int, bias: bool = False) -> None:
         super().__init__()

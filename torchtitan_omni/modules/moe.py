@@ -1,8 +1,8 @@
 """Mixture of experts with Qwen3-MoE semantics, and the dispatcher interface expert parallel uses.
 
-Routing (``MoE``): a bias-free ``gate`` ``Linear(dim, E)``, softmax over the experts in float32 (or wider),
-top-k, and (``norm_topk_prob``) the k weights renormalized to sum to one. Each token's output
-is the weighted sum of its k experts' SwiGLU outputs.
+Routing (``MoE``): a bias-free ``gate`` ``Linear(dim, E)``, softmax over the experts in float32
+(or wider), top-k, and (``norm_topk_prob``) the k weights renormalized to sum to one. Each
+token's output is the weighted sum of its k experts' SwiGLU outputs.
 
 Experts (``GroupedExperts``) are three stacked parameters: ``w1``/``w3`` ``[E, H, D]`` (gate and
 up projections) and ``w2`` ``[E, D, H]`` (down), laid out like Hugging Face's per-expert
@@ -86,7 +86,9 @@ class LocalDispatcher:
 
     host_sync = False
 
-    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def dispatch(
+        self, x: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
         return x, counts, None
 
     def combine(self, y: torch.Tensor, state: None) -> torch.Tensor:
@@ -109,7 +111,9 @@ class ExpertGroups:
     ``counts`` None). ``compute_dtype``: bfloat16 under CUDA autocast (inputs and weights are
     cast), else None."""
 
-    def __init__(self, counts: torch.Tensor | None, compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, counts: torch.Tensor | None, compute_dtype: torch.dtype | None = None
+    ) -> None:
         self.counts = counts
         self.compute_dtype = compute_dtype
         self._offsets: torch.Tensor | None = None
@@ -186,7 +190,11 @@ class GroupedExperts(nn.Module):
                 f"{local} (local) experts"
             )
         dtype = None
-        if x.is_cuda and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16:
+        if (
+            x.is_cuda
+            and torch.is_autocast_enabled("cuda")
+            and torch.get_autocast_dtype("cuda") == torch.bfloat16
+        ):
             # Without FSDP's mixed precision, TorchTitan autocasts; grouped_mm does not.
             dtype = torch.bfloat16
         groups = ExpertGroups(counts, dtype)
@@ -205,7 +213,9 @@ class GroupedExperts(nn.Module):
         init.trunc_normal_(self.w2, std=std if out_std is None else out_std)
 
 
-def sort_by_expert(expert_indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(
+    expert_indices: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Order of the flattened ``[N * k]`` assignments grouped by expert, and tokens per expert.
 
     Stable (a token's assignments keep their order inside an expert group) and free of
@@ -284,7 +294,8 @@ class MoE(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router probabilities ``[N, E]`` (at least float32), top-k weights and indices ``[N, k]``."""
+        """Router probabilities ``[N, E]`` (at least float32), top-k weights and indices
+        ``[N, k]``."""
         logits = self.gate(x)
         probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         weights, indices = torch.topk(probs, self.top_k, dim=-1)

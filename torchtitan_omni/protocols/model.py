@@ -158,7 +158,8 @@ def llm_layers_problem(keep: int, llm) -> str | None:
     """A one-line problem with ``omni.llm_layers = keep`` for this foundation, or None."""
     full = flavor_layers(llm)
     if keep < 0 or keep > full:
-        return f"omni.llm_layers ({keep}) must be between 1 and the flavor's {full} layers (0 keeps all)"
+        return (f"omni.llm_layers ({keep}) must be between 1 and the flavor's {full} layers "
+                "(0 keeps all)")
     return None
 
 

@@ -182,4 +182,3 @@ class OmniDecoder(nn.Module, ABC):
     def hf_adapter(self):
         """An ``HFAdapter`` mapping this part to its Hugging Face counterpart, or None."""
         return None
-

@@ -38,7 +38,11 @@ SIZES = {  # rows per split
     "generate": {"train": 1500, "val": 100, "test": 100},
 }
 PHOTO_CROPS = {"train": 12, "val": 1, "test": 1}
-VOICES = {"train": ("en-us", "en", "en-us+f3", "en+m3"), "val": ("en-us+f2",), "test": ("en-gb-scotland",)}
+VOICES = {
+    "train": ("en-us", "en", "en-us+f3", "en+m3"),
+    "val": ("en-us+f2",),
+    "test": ("en-gb-scotland",),
+}
 VIDEO_FPS = 4
 
 
@@ -85,7 +89,9 @@ class _Writer:
 
 def _chat(*turns: str) -> list[dict]:
     """Alternating user/assistant messages."""
-    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    return [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)
+    ]
 
 
 def _text_rows(w: _Writer) -> None:
@@ -123,18 +129,30 @@ def _photo_rows(w: _Writer, seed: int) -> None:
                 index[split] += 1
                 prompt = rng.choice(("Describe the image.", "What is in this photo?"))
                 caption = vision.PHOTOS[name][0].upper() + vision.PHOTOS[name][1:] + "."
-                w.add("photos", split, {"messages": _chat(f"<image>\n{prompt}", caption), "images": [path]})
+                w.add(
+                    "photos",
+                    split,
+                    {"messages": _chat(f"<image>\n{prompt}", caption), "images": [path]},
+                )
 
 
 def _face_rows(w: _Writer) -> None:
     imgs, labels = vision.faces()
     for i, (img, label) in enumerate(zip(imgs, labels)):
         split = "val" if i % 10 == 8 else "test" if i % 10 == 9 else "train"
-        rgb = np.repeat(np.asarray(Image.fromarray(img).resize((32, 32), Image.BICUBIC))[..., None], 3, axis=2)
+        rgb = np.repeat(
+            np.asarray(Image.fromarray(img).resize((32, 32), Image.BICUBIC))[..., None], 3, axis=2
+        )
         path = w.image("faces", split, i, rgb)
         answer = "Yes, there is a face." if label else "No, there is no face."
-        w.add("faces", split, {"messages": _chat("<image>\nIs there a face in this picture?", answer),
-                               "images": [path]})
+        w.add(
+            "faces",
+            split,
+            {
+                "messages": _chat("<image>\nIs there a face in this picture?", answer),
+                "images": [path],
+            },
+        )
 
 
 def _video_rows(w: _Writer, seed: int) -> None:
@@ -168,7 +186,9 @@ def _speech_rows(w: _Writer, seed: int) -> None:
                 said, turns = speech.number_words(n), ("<audio>\nWhich number is spoken?", f"{n}.")
             else:
                 color, digit = rng.choice(sorted(vision.COLORS)), rng.choice(vision.WORDS)
-                place = rng.choice(("on the left", "on the right", "at the top", "moving up", "moving down"))
+                place = rng.choice(
+                    ("on the left", "on the right", "at the top", "moving up", "moving down")
+                )
                 said = f"a {color} {digit} {place}"
                 turns = ("<audio>\nTranscribe the audio.", said[0].upper() + said[1:] + ".")
             wave = speaker.say(said, voice, rate)
@@ -186,11 +206,20 @@ def _generate_rows(w: _Writer, seed: int) -> None:
             digit = int(bank.labels[pick])
             color = rng.choice(sorted(vision.COLORS))
             canvas = np.zeros((32, 32, 3), np.float32)
-            vision.paste(canvas, vision.render_digit(bank.images[pick], 28, vision.COLORS[color]), 2, 2)
+            vision.paste(
+                canvas, vision.render_digit(bank.images[pick], 28, vision.COLORS[color]), 2, 2
+            )
             path = w.image("generate", split, i, np.clip(canvas, 0, 255).astype(np.uint8))
-            prompt = rng.choice((f"Draw a {color} {digit}.", f"Generate an image of a {color} handwritten {digit}.",
-                                 f"A {color} {vision.WORDS[digit]} on black."))
-            w.add("generate", split, {"messages": _chat(prompt, "<gen_image>"), "gen_images": [path]})
+            prompt = rng.choice(
+                (
+                    f"Draw a {color} {digit}.",
+                    f"Generate an image of a {color} handwritten {digit}.",
+                    f"A {color} {vision.WORDS[digit]} on black.",
+                )
+            )
+            w.add(
+                "generate", split, {"messages": _chat(prompt, "<gen_image>"), "gen_images": [path]}
+            )
 
 
 def build_default_dataset(out_dir, seed: int = 0, vocab_size: int = 4096) -> dict:

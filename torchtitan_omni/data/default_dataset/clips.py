@@ -13,7 +13,8 @@ DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
 
 
 def moving_digit(rng: random.Random, bank: DigitBank, size: int = 32, frames: int = 8):
-    """Frames ``[T, size, size, 3]`` of one digit moving; returns (frames, digit, color, direction)."""
+    """Frames ``[T, size, size, 3]`` of one digit moving; returns (frames, digit, color,
+    direction)."""
     pick = rng.randrange(len(bank.labels))
     color = rng.choice(sorted(COLORS))
     direction = rng.choice(sorted(DIRECTIONS))
@@ -42,7 +43,7 @@ def write_mp4(path: str, frames: np.ndarray, fps: int) -> None:
         try:
             stream = container.add_stream("libx264", rate=fps)
             stream.options = {"crf": "18", "preset": "veryfast"}
-        except Exception:  # a PyAV build without libx264
+        except Exception:  # noqa: BLE001  (a PyAV build without libx264)
             stream = container.add_stream("mpeg4", rate=fps)
             stream.bit_rate = 400_000
         stream.width, stream.height = frames.shape[2], frames.shape[1]

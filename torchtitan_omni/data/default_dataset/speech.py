@@ -10,7 +10,9 @@ import numpy as np
 _SYNCHRONOUS = 2  # AUDIO_OUTPUT_SYNCHRONOUS
 _POS_CHARACTER = 1
 _RATE = 1  # espeakRATE
-_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
+_CALLBACK = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p
+)
 
 
 class Speaker:

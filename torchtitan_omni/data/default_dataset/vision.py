@@ -10,8 +10,14 @@ import numpy as np
 from PIL import Image
 
 COLORS = {
-    "red": (230, 40, 40), "green": (40, 200, 60), "blue": (70, 100, 245), "yellow": (235, 220, 40),
-    "white": (240, 240, 240), "orange": (245, 140, 30), "purple": (170, 70, 210), "cyan": (40, 210, 220),
+    "red": (230, 40, 40),
+    "green": (40, 200, 60),
+    "blue": (70, 100, 245),
+    "yellow": (235, 220, 40),
+    "white": (240, 240, 240),
+    "orange": (245, 140, 30),
+    "purple": (170, 70, 210),
+    "cyan": (40, 210, 220),
 }
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
@@ -62,7 +68,9 @@ def digit_bank(split: str) -> DigitBank:
 
 def render_digit(img8: np.ndarray, size: int, color) -> tuple[np.ndarray, np.ndarray]:
     """A digit upscaled to ``size`` px: (RGB float image, alpha mask in [0, 1])."""
-    gray = Image.fromarray((img8 / 16.0 * 255).astype(np.uint8)).resize((size, size), Image.BILINEAR)
+    gray = Image.fromarray((img8 / 16.0 * 255).astype(np.uint8)).resize(
+        (size, size), Image.BILINEAR
+    )
     alpha = np.asarray(gray, dtype=np.float32) / 255.0
     return alpha[..., None] * np.asarray(color, np.float32), alpha
 
@@ -91,7 +99,10 @@ def scene(rng: random.Random, bank: DigitBank, size: int = 48) -> Scene:
     picks = [rng.randrange(len(bank.labels)) for _ in range(n)]
     d = size // 2 - 2
     if n == 1:
-        places, spots = ["middle"], [((size - d) // 2 + rng.randint(-3, 3), (size - d) // 2 + rng.randint(-3, 3))]
+        places, spots = (
+            ["middle"],
+            [((size - d) // 2 + rng.randint(-3, 3), (size - d) // 2 + rng.randint(-3, 3))],
+        )
     elif rng.random() < 0.5:
         places = ["left", "right"]
         y = (size - d) // 2 + rng.randint(-4, 4)
@@ -124,7 +135,12 @@ def questions(rng: random.Random, facts: list[tuple[int, str, str]]) -> list[tup
         if place != "middle":
             qa.append((f"Which digit is on the {place}?", f"The {c} {d}."))
     if len(facts) == 2:
-        qa.append(("What is the sum of the digits?", f"{facts[0][0]} + {facts[1][0]} = {facts[0][0] + facts[1][0]}."))
+        qa.append(
+            (
+                "What is the sum of the digits?",
+                f"{facts[0][0]} + {facts[1][0]} = {facts[0][0] + facts[1][0]}.",
+            )
+        )
     rng.shuffle(qa)
     return qa
 
@@ -139,7 +155,9 @@ def photos() -> dict[str, np.ndarray]:
         if img.dtype == bool:
             img = img.astype(np.uint8) * 255
         elif img.dtype != np.uint8:
-            img = (255 * (img - img.min()) / max(1e-9, float(img.max() - img.min()))).astype(np.uint8)
+            img = (255 * (img - img.min()) / max(1e-9, float(img.max() - img.min()))).astype(
+                np.uint8
+            )
         if img.ndim == 2:
             img = np.repeat(img[..., None], 3, axis=2)
         out[name] = img[..., :3]
@@ -151,7 +169,9 @@ def random_crop(rng: random.Random, img: np.ndarray, size: int) -> np.ndarray:
     h, w = img.shape[:2]
     side = int(min(h, w) * rng.uniform(0.6, 1.0))
     top, left = rng.randint(0, h - side), rng.randint(0, w - side)
-    crop = Image.fromarray(img[top:top + side, left:left + side]).resize((size, size), Image.BICUBIC)
+    crop = Image.fromarray(img[top : top + side, left : left + side]).resize(
+        (size, size), Image.BICUBIC
+    )
     if rng.random() < 0.5:
         crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
     return np.asarray(crop)

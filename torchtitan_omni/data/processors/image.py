@@ -22,7 +22,9 @@ def normalize(frames: np.ndarray, mean, std) -> torch.Tensor:
     return (x - m) / s
 
 
-def normalized_patches(frames: np.ndarray, cfg: ImageProcessing) -> tuple[torch.Tensor, torch.Tensor]:
+def normalized_patches(
+    frames: np.ndarray, cfg: ImageProcessing
+) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 frames ``[T, H, W, 3]`` (T a multiple of the temporal patch) -> standardized
     patches and grid, as ``patchify(normalize(frames))`` gives them.
 
@@ -40,7 +42,9 @@ def normalized_patches(frames: np.ndarray, cfg: ImageProcessing) -> tuple[torch.
     return out.view(patches.shape), grid
 
 
-def patchify(pixels: torch.Tensor, patch: int, merge: int, temporal: int) -> tuple[torch.Tensor, torch.Tensor]:
+def patchify(
+    pixels: torch.Tensor, patch: int, merge: int, temporal: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, C, H, W]`` -> patches ``[t*h*w, C*temporal*patch*patch]`` and grid ``[3]``.
 
     Patches are ordered frame group by frame group, then merge window by merge window (row
