@@ -78,9 +78,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def job_config(args, sp: int, async_op: bool):
-    from torchtitan_omni.config.manager import OmniConfigManager
+    from torchtitan_omni.config.merge import default_job_config
 
-    cfg = OmniConfigManager()._maybe_add_custom_config([], None)()
+    cfg = default_job_config()
     cfg.parallelism.ulysses_degree = sp
     cfg.parallelism.ulysses_async = async_op
     cfg.activation_checkpoint.mode = args.ac

@@ -11,6 +11,10 @@ class OmniInputError(Exception):
     """Bad input from the user; the message alone says what to fix."""
 
 
+class ConfigError(OmniInputError, ValueError):
+    """A configuration problem; its message is one line that names the key or file."""
+
+
 class CheckpointFormatError(OmniInputError, ValueError):
     """A checkpoint folder or file is missing, malformed or does not match the model."""
 

@@ -34,7 +34,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
-from torchtitan_omni.checkpoint import setup_checkpointing
+from torchtitan_omni.checkpoint import setup_checkpointing, titan_checkpointer_off
 from torchtitan_omni.config.manager import parse_job_config_or_exit
 from torchtitan_omni.components.inputs import model_inputs
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS
@@ -57,7 +57,8 @@ class OmniTrainer(Trainer):
 
     def __init__(self, job_config: JobConfig) -> None:
         float8 = add_omni_float8_filters(job_config)
-        super().__init__(job_config)
+        with titan_checkpointer_off(job_config):  # ours replaces it (checkpoint.trainer_setup)
+            super().__init__(job_config)
         if float8:
             logger.info(f"Float8 linears in the foundation's blocks; left in bf16: {float8}")
         # Crash-safe, reshardable checkpoints and weights.sources (torchtitan_omni.checkpoint).

@@ -41,7 +41,7 @@ def main() -> None:
     t = MiniTrainer(1, folder, "--checkpoint.interval", "1", *extra)
     t.step()
     t.save()
-    t.manager._async_wait()
+    t.manager.wait_for_async_save()
     torch.save(t.full_states(), states_path)
     t.step()
     if mode == "in_write":

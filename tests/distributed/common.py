@@ -43,9 +43,9 @@ IMAGE_TOKEN, AUDIO_TOKEN = 1, 2
 # ----------------------------------------------------------------- config
 def job_config(**overrides):
     """A merged (TorchTitan + omni) ``JobConfig`` with AC off; ``section__key=value`` overrides."""
-    from torchtitan_omni.config.manager import OmniConfigManager
+    from torchtitan_omni.config.merge import default_job_config
 
-    cfg = OmniConfigManager()._maybe_add_custom_config([], None)()
+    cfg = default_job_config()
     cfg.activation_checkpoint.mode = "none"
     for key, value in overrides.items():
         section, name = key.split("__")

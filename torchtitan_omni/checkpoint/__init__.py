@@ -10,6 +10,6 @@
 See docs/checkpointing.md.
 """
 
-from torchtitan_omni.checkpoint.trainer_setup import setup_checkpointing
+from torchtitan_omni.checkpoint.trainer_setup import setup_checkpointing, titan_checkpointer_off
 
-__all__ = ["setup_checkpointing"]
+__all__ = ["setup_checkpointing", "titan_checkpointer_off"]

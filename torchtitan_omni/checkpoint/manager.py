@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components.checkpoint import DATALOADER, MODEL, OPTIMIZER, CheckpointManager
+from torchtitan.components.checkpoint import DATALOADER, MODEL, OPTIMIZER
 from torchtitan.tools.logging import logger
 
 from torchtitan_omni.checkpoint.completion import (
@@ -56,6 +56,7 @@ from torchtitan_omni.checkpoint.completion import (
 )
 from torchtitan_omni.checkpoint.parts import state_tensors
 from torchtitan_omni.checkpoint.stateful import RNG, DataloaderState, RNGState
+from torchtitan_omni.compat import TitanCheckpointManager
 from torchtitan_omni.distributed.utils import all_reduce
 from torchtitan_omni.errors import CheckpointFormatError
 from torchtitan_omni.modules.lora import adapter_names, is_adapter_key
@@ -115,6 +116,15 @@ def _tensors(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
             _tensors(v, f"{prefix}.{k}" if prefix else str(k), out)
 
 
+def _flattened(states: dict[str, Any]) -> dict[str, Any]:
+    """``states`` with the model's state dict in place of the model entry: DCP sees every
+    model tensor under its full name, next to the other states."""
+    out = {k: v for k, v in states.items() if k != MODEL}
+    if MODEL in states:
+        out.update(states[MODEL].state_dict())
+    return out
+
+
 class ModelKeys:
     """Names of the model's tensors by role (DCP keys: full FQNs): ``frozen`` (every
     parameter or persistent buffer that does not train) and ``adapters`` (LoRA)."""
@@ -128,7 +138,7 @@ class ModelKeys:
             self.frozen |= {n for n in state_tensors(model, adapters=True) if n not in trainable}
 
 
-class OmniCheckpointManager(CheckpointManager):
+class OmniCheckpointManager(TitanCheckpointManager):
     """TorchTitan's ``CheckpointManager`` with the additions in the module docstring."""
 
     def __init__(self, *, dataloader, model_parts, optimizers, lr_schedulers, states,
@@ -186,7 +196,7 @@ class OmniCheckpointManager(CheckpointManager):
             kind = "model-only" if info["model_only"] else "full"
             logger.info(f"Published {kind} checkpoint {checkpoint_id}")
             if purge:  # TorchTitan purged when the save started, before this one counted
-                self._purge_stale_checkpoints()
+                self.purge_stale_checkpoints()
 
         if isinstance(result, AsyncSaveResponse):
             return AsyncSaveResponse(result.staging_completion,
@@ -196,7 +206,7 @@ class OmniCheckpointManager(CheckpointManager):
         finish(False)  # a synchronous save has finished on every rank when dcp.save returns
         return result
 
-    def _purge_stale_checkpoints(self) -> None:
+    def purge_stale_checkpoints(self) -> None:
         """Delete all but the newest ``keep_latest_k`` published checkpoints (rank 0)."""
         if self.keep_latest_k <= 0 or self.rank != 0 or not os.path.isdir(self.folder):
             return
@@ -211,7 +221,7 @@ class OmniCheckpointManager(CheckpointManager):
         """Wait for an in-flight asynchronous save (so it gets published), then close."""
         if getattr(self, "enable", False) and getattr(self, "save_future", None) is not None:
             try:
-                self._async_wait()
+                self.wait_for_async_save()
             except Exception as e:  # noqa: BLE001  (closing must go on; the error is logged)
                 logger.error(f"The last asynchronous checkpoint save did not complete: {e}")
         super().close()
@@ -308,13 +318,6 @@ class OmniCheckpointManager(CheckpointManager):
         logger.info(f"Finished loading the checkpoint in {time.monotonic() - begin:.2f} seconds.")
         return True
 
-    def _find_load_step(self, folder: str = "") -> int:
-        if folder and folder != self.folder:
-            complete, _ = scan(folder)
-            return complete[-1].step if complete else -1
-        chosen = self.resume_point()
-        return chosen.step if chosen else -1
-
     def _omni_states_to_load(self, model_only: bool, target: Candidate) -> dict[str, Any]:
         saved = FileSystemReader(target.path).read_metadata().state_dict_metadata
         if model_only:
@@ -337,7 +340,7 @@ class OmniCheckpointManager(CheckpointManager):
                         f"RNG states not restored: saved under {describe_layout(layout)}, this "
                         f"run is {describe_layout(self.layout)}; every rank keeps its fresh seed"
                     )
-            states = self._flattened_model_states_sd(states)
+            states = _flattened(states)
         states = self._lora_states(states, saved, target, model_only)
         self._check_tensors(states, saved, target.path)
         return states

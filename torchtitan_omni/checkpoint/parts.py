@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from torchtitan_omni.compat import persistent_buffers
 from torchtitan_omni.errors import CheckpointFormatError
 from torchtitan_omni.modules.lora import adapter_names
 
@@ -36,9 +37,7 @@ def state_tensors(module: nn.Module, adapters: bool = False) -> dict[str, torch.
             continue
         out[clean_name(name)] = param
     for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for buf_name, buf in mod._buffers.items():
-            if buf is None or buf_name in mod._non_persistent_buffers_set:
-                continue
+        for buf_name, buf in persistent_buffers(mod):
             out[clean_name(f"{mod_name}.{buf_name}" if mod_name else buf_name)] = buf
     return out
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import Partial, _StridedShard
+from torch.distributed.tensor.placement_types import Partial
+
+from torchtitan_omni.compat import StridedShard
 
 Runs = list[tuple[int, int]]
 
@@ -26,9 +28,9 @@ def _probe_placements(placements, dim: int) -> list:
     out = []
     for p in placements:
         # _StridedShard is a Shard subclass on older torch and not on newer: test it first.
-        if isinstance(p, _StridedShard):
+        if isinstance(p, StridedShard):
             out.append(
-                _StridedShard(0, split_factor=p.split_factor) if p.dim == dim else Replicate()
+                StridedShard(0, split_factor=p.split_factor) if p.dim == dim else Replicate()
             )
         elif isinstance(p, Shard):
             out.append(Shard(0) if p.dim == dim else Replicate())

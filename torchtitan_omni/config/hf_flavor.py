@@ -19,8 +19,7 @@ import os
 
 from torchtitan.tools.logging import logger
 
-from torchtitan_omni.config.manager import ConfigError
-from torchtitan_omni.errors import HFConfigError
+from torchtitan_omni.errors import ConfigError, HFConfigError
 from torchtitan_omni.protocols.model import HF_FLAVOR
 
 
@@ -31,23 +30,12 @@ def weight_sources(job_config) -> dict[str, str]:
     return {s.part: s.path for s in parse_sources(list(job_config.weights.sources))}
 
 
-def _remember_own_parts(args) -> None:
-    # TorchTitan's trainer updates the registered (shared) args in place: before a job puts
-    # other parts there, keep the flavor's own so that a later job gets them back
-    if getattr(args, "_own_parts", None) is None:
-        args._own_parts = {f: copy.deepcopy(getattr(args, f)) for f in args.part_fields()}
-
-
 def apply_parts_flavor(args, job_config) -> None:
     """Set the encoders' and decoders' args to ``model.parts_flavor``'s; without one, undo
     what an earlier job in this process put there (``parts_flavor``, encoder configs)."""
     name = getattr(job_config.model, "parts_flavor", "")
     if not name or name == job_config.model.flavor:
-        own = getattr(args, "_own_parts", None)
-        if own is not None:
-            for field, value in own.items():
-                setattr(args, field, copy.deepcopy(value))
-            args._own_parts = None
+        args.restore_own_parts()
         return
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -58,10 +46,8 @@ def apply_parts_flavor(args, job_config) -> None:
         choices = ", ".join(f for f in flavors if f != HF_FLAVOR)
         raise ConfigError(f"model.parts_flavor {name!r} is not a flavor of "
                           f"{job_config.model.name} with its own parts (flavors: {choices})")
-    _remember_own_parts(args)
-    source = flavors[name]
-    parts = getattr(source, "_own_parts", None) or {f: getattr(source, f) for f in args._own_parts}
-    for field, value in parts.items():
+    args.keep_own_parts()
+    for field, value in flavors[name].own_parts().items():
         setattr(args, field, copy.deepcopy(value))
 
 
@@ -90,7 +76,7 @@ def apply_hf_flavor(args, job_config) -> None:
         if not os.path.isfile(os.path.join(folder, CONFIG_FILE)):
             continue  # a DCP checkpoint of our own model: same args
         where = os.path.join(folder, CONFIG_FILE)
-        _remember_own_parts(args)
+        args.keep_own_parts()
         setattr(args, name, encoder_args(getattr(args, name), read_hf_config(folder, part), where))
         log_once(f"{part} of {spec} from {where}: {getattr(args, name)}")
 

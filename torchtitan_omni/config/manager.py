@@ -1,11 +1,14 @@
 """Parsing TOML + CLI into a ``JobConfig`` with one-line errors.
 
-``OmniConfigManager`` is TorchTitan's ``ConfigManager`` with three differences:
+``OmniConfigManager`` is TorchTitan's ``ConfigManager`` (its public constructor and
+``parse_args``) with these differences:
 
 - torchtitan-omni's ``JobConfig`` extension is merged in even when a config does not name it
-  in ``job.custom_config_module``;
+  in ``job.custom_config_module`` (``torchtitan_omni.config.merge``);
 - a missing or malformed config file, an unknown key (TOML or ``--section.key``) and a value of
   the wrong type raise :class:`ConfigError`, whose message names the file, section and key;
+- TorchTitan's warning about a missing ``model.hf_assets_path`` is left out when the job builds
+  that folder itself (``torchtitan_omni.config.first_use``);
 - the parsed config is checked by ``torchtitan_omni.config.validate``.
 """
 
@@ -28,13 +31,13 @@ except ModuleNotFoundError:  # Python 3.10
 
 from torchtitan.config import ConfigManager, JobConfig
 
-from torchtitan_omni.errors import OmniInputError
+from torchtitan_omni.config.first_use import built_on_first_use, held_assets_warning
+from torchtitan_omni.config.merge import OMNI_CONFIG_MODULE, omni_config_class
+from torchtitan_omni.config.validate import validate_job_config
+from torchtitan_omni.errors import ConfigError
 
-OMNI_CONFIG_MODULE = "torchtitan_omni.config.job_config"
-
-
-class ConfigError(OmniInputError, ValueError):
-    """A configuration problem; its message is one line that names the key or file."""
+__all__ = ["OMNI_CONFIG_MODULE", "ConfigError", "OmniConfigManager", "parse_job_config",
+           "parse_job_config_or_exit"]
 
 
 def _suggest(name: str, options: list[str]) -> str:
@@ -79,75 +82,22 @@ def _matches(value: Any, tp: Any) -> bool:
 class OmniConfigManager(ConfigManager):
     """TorchTitan's config manager with torchtitan-omni's sections and clear errors."""
 
+    def __init__(self) -> None:
+        super().__init__(omni_config_class())
+        self.config_path: str | None = None
+
     def parse_args(self, args: list[str] | None = None) -> JobConfig:
         """Parse ``args`` (default ``sys.argv[1:]``) into a validated ``JobConfig``."""
         args = list(sys.argv[1:] if args is None else args)
-        toml_values, self.config_path = self._load_toml_checked(args)
-        config_cls = self._maybe_add_custom_config(args, toml_values)
+        self.config_path = config_path(args)
+        toml_values = load_toml(self.config_path)
+        config_cls = omni_config_class(custom_config_module(args, toml_values))
         if toml_values:
             self._check_toml(config_cls, toml_values)
-        self._check_cli_keys(config_cls, args)
+        check_cli_keys(config_cls, args)
         config = self._parse_cli_values(args)
-        from torchtitan_omni.config.validate import validate_job_config
-
         validate_job_config(config)
         return config
-
-    # ----------------------------------------------------------------- TOML file
-    @staticmethod
-    def _config_path(args: list[str]) -> str | None:
-        """The config file named on the command line (the last one wins, as for any key)."""
-        path = None
-        for i, arg in enumerate(args):
-            key, eq, value = arg.partition("=")
-            if key in ("--job.config_file", "--job.config-file"):
-                if eq:
-                    path = value
-                elif i + 1 < len(args):
-                    path = args[i + 1]
-                else:
-                    raise ConfigError(f"{key} needs a file path")
-        return path
-
-    def _load_toml_checked(self, args: list[str]) -> tuple[dict[str, Any] | None, str | None]:
-        path = self._config_path(args)
-        if path is None:
-            return None, None
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            with open(path, "rb") as f:
-                return tomllib.load(f), path
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-
-    def _maybe_load_toml(self, args: list[str]) -> dict[str, Any] | None:
-        # TorchTitan's loader logs a traceback on errors; ours already raised a ConfigError.
-        return self._load_toml_checked(args)[0]
-
-    def _maybe_add_custom_config(self, args, toml_values):
-        """Merge torchtitan-omni's sections, and a user's extension module on top if named."""
-        merged = self._merge_configs(self.config_cls, _omni_job_config())
-        module_path = None
-        for i, arg in enumerate(args):
-            key = arg.split("=")[0]
-            if key in ("--job.custom_config_module", "--job.custom-config-module"):
-                module_path = arg.split("=", 1)[1] if "=" in arg else args[i + 1]
-        if not module_path and toml_values:
-            job = toml_values.get("job", {})
-            if isinstance(job, dict):
-                module_path = job.get("custom_config_module")
-        if module_path and module_path != OMNI_CONFIG_MODULE:
-            import importlib
-
-            try:
-                extension = importlib.import_module(module_path).JobConfig
-            except (ImportError, AttributeError) as e:
-                raise ConfigError(
-                    f"job.custom_config_module {module_path!r} cannot be used: {e}"
-                ) from None
-            merged = self._merge_configs(merged, extension)
-        return merged
 
     def _check_toml(self, cls: type, values: dict[str, Any], where: str = "") -> None:
         """Unknown keys and wrongly typed values, named with section and file."""
@@ -166,7 +116,7 @@ class OmniConfigManager(ConfigManager):
             if dataclasses.is_dataclass(tp):
                 if not isinstance(value, dict):
                     raise ConfigError(f"'{full}'{src} must be a table [{full}], got {value!r}")
-                self._check_toml(tp, value, full)
+                self._check_toml(tp, value, full)  # type: ignore[arg-type]
             elif not _matches(value, tp):
                 raise ConfigError(
                     f"'{full}'{src} must be {_type_name(tp)}, got {value!r} "
@@ -174,12 +124,14 @@ class OmniConfigManager(ConfigManager):
                 )
 
     def _parse_cli_values(self, args: list[str]) -> JobConfig:
-        """TorchTitan's parse; a value the command line cannot convert (``--training.steps
-        abc``) becomes one :class:`ConfigError` line instead of tyro's framed message."""
+        """TorchTitan's parse (its public ``parse_args``, which merges a named
+        ``job.custom_config_module`` over our sections as it does over its own); a value the
+        command line cannot convert (``--training.steps abc``) becomes one
+        :class:`ConfigError` line instead of tyro's framed message."""
         captured = io.StringIO()
         try:
-            with contextlib.redirect_stderr(captured):
-                return super().parse_args(args)
+            with contextlib.redirect_stderr(captured), held_assets_warning() as held:
+                config = super().parse_args(args)
         except SystemExit as e:
             if not e.code:
                 raise  # --help: tyro printed it to standard output
@@ -187,31 +139,71 @@ class OmniConfigManager(ConfigManager):
         except AssertionError as e:
             # TorchTitan's own dataclasses assert some values when built (e.g. validation.steps)
             raise ConfigError(str(e) or "a value failed TorchTitan's own check") from None
+        if not built_on_first_use(config):
+            held.release()
+        return config
 
-    @staticmethod
-    def _check_cli_keys(cls: type, args: list[str]) -> None:
-        """Every ``--section.key`` must name a field (tyro's own error is a page long)."""
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
-        for arg in args:
-            if not arg.startswith("--") or arg in ("--help", "-h"):
-                continue
-            name = arg[2:].split("=", 1)[0].replace("-", "_")
-            parts = name.split(".")
-            tp: Any = cls
-            for depth, part in enumerate(parts):
-                if not dataclasses.is_dataclass(tp):
-                    break
-                names = {f.name: f.type for f in dataclasses.fields(tp)}
-                if part not in names and part.startswith("no_") and depth == len(parts) - 1:
-                    part = part[3:]  # tyro's --section.no-flag form for booleans
-                if part not in names:
-                    where = ".".join(parts[:depth]) or "the config"
-                    raise ConfigError(
-                        f"unknown option --{name}: {where} has no key '{part}'"
-                        f"{_suggest(part, list(names))}"
-                    )
-                tp = names[part]
-        del sections
+
+def config_path(args: list[str]) -> str | None:
+    """The config file named on the command line (the last one wins, as for any key)."""
+    path = None
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            if eq:
+                path = value
+            elif i + 1 < len(args):
+                path = args[i + 1]
+            else:
+                raise ConfigError(f"{key} needs a file path")
+    return path
+
+
+def load_toml(path: str | None) -> dict[str, Any] | None:
+    """The TOML file's values (None without a file); a missing or malformed file is a
+    :class:`ConfigError`."""
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def custom_config_module(args: list[str], toml_values: dict[str, Any] | None) -> str | None:
+    """``job.custom_config_module`` as TorchTitan finds it: the command line, else the TOML."""
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if key in ("--job.custom_config_module", "--job.custom-config-module"):
+            return value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    job = (toml_values or {}).get("job", {})
+    return job.get("custom_config_module") if isinstance(job, dict) else None
+
+
+def check_cli_keys(cls: type, args: list[str]) -> None:
+    """Every ``--section.key`` must name a field (tyro's own error is a page long)."""
+    for arg in args:
+        if not arg.startswith("--") or arg in ("--help", "-h"):
+            continue
+        name = arg[2:].split("=", 1)[0].replace("-", "_")
+        parts = name.split(".")
+        tp: Any = cls
+        for depth, part in enumerate(parts):
+            if not dataclasses.is_dataclass(tp):
+                break
+            names = {f.name: f.type for f in dataclasses.fields(tp)}
+            if part not in names and part.startswith("no_") and depth == len(parts) - 1:
+                part = part[3:]  # tyro's --section.no-flag form for booleans
+            if part not in names:
+                where = ".".join(parts[:depth]) or "the config"
+                raise ConfigError(
+                    f"unknown option --{name}: {where} has no key '{part}'"
+                    f"{_suggest(part, list(names))}"
+                )
+            tp = names[part]
 
 
 def _first_message(text: str) -> str:
@@ -228,12 +220,6 @@ def _first_message(text: str) -> str:
         elif lines:
             break  # the frame's separator after the message
     return " ".join(lines) or "the command line could not be parsed"
-
-
-def _omni_job_config() -> type:
-    from torchtitan_omni.config.job_config import JobConfig as OmniJobConfig
-
-    return OmniJobConfig
 
 
 def parse_job_config(args: list[str] | None = None) -> JobConfig:

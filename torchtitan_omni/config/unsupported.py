@@ -26,7 +26,7 @@ from typing import Any
 from torchtitan.config import JobConfig
 
 from torchtitan_omni.config import values as V
-from torchtitan_omni.config.manager import ConfigError
+from torchtitan_omni.errors import ConfigError
 
 HONOURED, NO_OP, CHECKED, REFUSED = "honoured", "no-op", "checked", "refused"
 

@@ -15,9 +15,9 @@ import os
 
 from torchtitan.config import JobConfig
 
-from torchtitan_omni.config.manager import ConfigError
 from torchtitan_omni.config.unsupported import check_values, refuse_unsupported
 from torchtitan_omni.config.values import Context
+from torchtitan_omni.errors import ConfigError
 
 
 def world_size_from_env() -> int:

@@ -262,10 +262,11 @@ class OmniDataset(IterableDataset, Stateful):
             "epoch": int(exclude["epoch"]), "groups": exclude["groups"]}
         self._resplit = None
 
-    def load_resplit(self, states: list[dict]) -> None:
+    def load_resplit(self, states: list[dict]) -> dict[str, int]:
         """Continue the stream of old shards ``0..len(states)-1`` (their :meth:`state_dict`),
         whatever this run's number of shards (``torchtitan_omni.data.resplit``). Each shard
-        takes its part when it starts (in its loader worker, if any)."""
+        takes its part when it starts (in its loader worker, if any). Returns the old shards'
+        skipped-sample counters by reason (new shard 0 carries them on)."""
         if self.source.streaming:
             raise ValueError(
                 "data.streaming: a streaming dataset's position cannot be re-split over another "
@@ -274,6 +275,7 @@ class OmniDataset(IterableDataset, Stateful):
                 "data stream"
             )
         self._resplit = plan_resplit(states, len(self.source))
+        return dict(self._resplit["skipped"]["counts"])
 
     def _apply_resplit(self, shard: ShardSpec) -> None:
         """Take this shard's part of a loaded re-split plan (once)."""

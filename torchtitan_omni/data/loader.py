@@ -16,10 +16,17 @@ import pickle
 from dataclasses import asdict
 from typing import Any
 
-from torchdata.stateful_dataloader.incremental_state import _DATASET_STATE
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
+from torchtitan_omni.compat import (
+    loader_dataset_states,
+    loader_state_key,
+    loader_state_key_of_rank,
+    loader_steps_since_snapshot,
+    loader_worker_count,
+    restart_loader_from_dataset,
+)
 from torchtitan_omni.data.bad_samples import REASONS
 from torchtitan_omni.data.dataset import OmniDataset
 from torchtitan_omni.data.default_dataset import DEFAULT_NAME, default_data_dir, maybe_build_default
@@ -52,10 +59,10 @@ class OmniDataLoader(ParallelAwareDataloader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """This rank's own state (same data ranks and loader workers as when it was saved)."""
-        entry = state_dict.get(self._rank_id) if state_dict else None
+        entry = state_dict.get(loader_state_key(self)) if state_dict else None
         if entry is not None:
             inner = pickle.loads(entry) if isinstance(entry, bytes) else entry
-            workers = len(inner["_snapshot"]["_worker_snapshots"]) if "_snapshot" in inner else 0
+            workers = loader_worker_count(inner)
             if workers != self.num_workers:
                 raise ValueError(
                     f"the dataloader state was saved with {workers} loader workers per data rank, "
@@ -72,14 +79,11 @@ class OmniDataLoader(ParallelAwareDataloader):
         shard read and every buffered document is dealt out once over the new shards, then
         the stream goes on with the next epoch (``torchtitan_omni.data.resplit``)."""
         shard_states = old_shard_states(states)
-        self.dataset.load_resplit(shard_states)
+        counts = self.dataset.load_resplit(shard_states)
         # start afresh from the dataset (and its plan), not from a StatefulDataLoader state
-        self._iterator = None
-        self._initial_iter_for_state_dict = False
-        self.next_iter_state = None
+        restart_loader_from_dataset(self)
         self._skipped = {}
         if self.dp_rank == 0:  # the old counters were moved onto new shard 0
-            counts = self.dataset._resplit["skipped"]["counts"]
             self._skipped[0] = {r: int(counts.get(r, 0)) for r in REASONS}
 
     def stats(self) -> dict[str, int]:
@@ -111,7 +115,7 @@ def old_shard_states(states: list[dict]) -> list[dict]:
         raise ValueError("no dataloader state to re-split")
     out: list[list[dict]] = []
     for r, st in enumerate(states):
-        key = f"dp_rank_{r}"
+        key = loader_state_key_of_rank(r)
         if not isinstance(st, dict) or key not in st:
             raise ValueError(f"the dataloader state of old data rank {r} has no {key!r} entry "
                              "(not written by torchtitan-omni's loader)")
@@ -119,19 +123,16 @@ def old_shard_states(states: list[dict]) -> list[dict]:
             raise ValueError(f"old data rank {r}'s dataloader state says {st['world_size']} data "
                              f"ranks, the checkpoint has {len(states)}")
         inner = pickle.loads(st[key]) if isinstance(st[key], bytes) else st[key]
-        if "_snapshot" in inner:  # num_workers > 0
-            if int(inner.get("_steps_since_snapshot", 0)):
-                raise ValueError(
-                    f"old data rank {r}'s dataloader state is {inner['_steps_since_snapshot']} "
-                    "batch(es) past its last worker snapshot (snapshot_every_n_steps > 1): the "
-                    "rows those batches took are unknown, so it cannot be re-split; keep the "
-                    "data-parallel size, or pass --checkpoint.exclude_from_loading dataloader"
-                )
-            workers = inner["_snapshot"]["_worker_snapshots"]
-            shards = [workers[f"worker_{w}"].get(_DATASET_STATE) for w in range(len(workers))]
-        elif "_num_yielded" in inner:  # num_workers == 0
-            shards = [inner.get(_DATASET_STATE)]
-        else:
+        behind = loader_steps_since_snapshot(inner)
+        if behind:  # num_workers > 0 and snapshot_every_n_steps > 1
+            raise ValueError(
+                f"old data rank {r}'s dataloader state is {behind} batch(es) past its last "
+                "worker snapshot (snapshot_every_n_steps > 1): the rows those batches took are "
+                "unknown, so it cannot be re-split; keep the data-parallel size, or pass "
+                "--checkpoint.exclude_from_loading dataloader"
+            )
+        shards = loader_dataset_states(inner)
+        if shards is None:
             raise ValueError(f"old data rank {r}'s dataloader state has an unknown format "
                              f"(keys {sorted(inner)[:8]})")
         if any(d is None for d in shards):

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.autograd import Function
+
+from torchtitan_omni.compat import all_to_all_traceable
 
 ProcessGroup = dist.ProcessGroup
 
@@ -64,7 +65,7 @@ def all_to_all(
     if group.size() == 1:
         return x
     packed = _pack(x, scatter_dim, group.size())
-    out = funcol.wait_tensor(funcol.all_to_all_single_autograd(packed, None, None, group))
+    out = all_to_all_traceable(packed, group)
     return _unpack(out, gather_dim)
 
 
@@ -184,7 +185,7 @@ def all_to_all_blocks(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         raise ValueError(f"all_to_all_blocks: {x.shape[0]} blocks for a group of {group.size()}")
     if group.size() == 1:
         return x
-    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, group))
+    return all_to_all_traceable(x.contiguous(), group)
 
 
 # ----------------------------------------------------------------- uneven all-to-all (EP)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from torchtitan_omni.compat import compiled_graph_count, raise_recompile_limit
 from torchtitan_omni.distributed.wrapping import extend_class
 from torchtitan_omni.modules.linear_cross_entropy import LinearHead, loss_and_logit_grad
 
@@ -58,8 +59,7 @@ def compile_units(units: list[nn.Module], backend: str, graph_breaks: bool | Non
 
     ``graph_breaks``: compile only the units that break the graph (True), only those that are
     one graph (False), or all (None)."""
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                CACHE_SIZE_LIMIT)
+    raise_recompile_limit(CACHE_SIZE_LIMIT)
     if graph_breaks is not None:
         units = [u for u in units if breaks_graph(u) == graph_breaks]
     for unit in units:
@@ -89,6 +89,4 @@ def is_compiled(module: nn.Module) -> bool:
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled so far in this process: one per compilation (first or
     recompile) of each compiled piece. Constant after the first few steps: no recompile storm."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"].get("unique_graphs", 0))
+    return compiled_graph_count()

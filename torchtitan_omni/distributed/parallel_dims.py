@@ -28,13 +28,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
+from torchtitan_omni.compat import TitanParallelDims, flatten_mesh, unflatten_mesh
 from torchtitan_omni.platform import device_type
 
 
-class OmniParallelDims(ParallelDims):
+class OmniParallelDims(TitanParallelDims):
     """TorchTitan's ``ParallelDims`` with Ulysses sequence parallel as ``sp``."""
 
     @classmethod
@@ -60,24 +60,24 @@ class OmniParallelDims(ParallelDims):
     def sp_enabled(self) -> bool:
         return self.cp > 1
 
-    def _mesh_exist(self, name: str, degree: int) -> bool:
+    def mesh_enabled(self, name: str, degree: int) -> bool:
+        """Whether dimension ``name`` of size ``degree`` needs a process group."""
         if name in ("sp", "cp"):
             return degree > 1
-        return super()._mesh_exist(name, degree)
+        return super().mesh_enabled(name, degree)
 
     def build_mesh(self) -> DeviceMesh:
         """Create every mesh listed in the module docstring."""
 
         def unflatten(names: tuple[str, ...], sizes: tuple[int, ...]) -> DeviceMesh:
-            fake = {n: "fake" for n, s in zip(names, sizes) if not self._mesh_exist(n, s)}
-            return world._unflatten(0, sizes, names, backend_override=fake)
+            fake = tuple(n for n, s in zip(names, sizes) if not self.mesh_enabled(n, s))
+            return unflatten_mesh(world, sizes, names, fake)
 
         logger.info(
             f"Building device mesh: pp={self.pp}, dp_replicate={self.dp_replicate}, "
             f"dp_shard={self.dp_shard}, sp={self.sp}, ep={self.ep}"
         )
         world = init_device_mesh(device_type(), (self.world_size,), mesh_dim_names=("world",))
-        self._world_mesh = world
         batch = self.dp_replicate * self.dp_shard
         fsdp = self.dp_shard * self.sp
         efsdp = fsdp * self.tp // (self.etp * self.ep)
@@ -103,15 +103,10 @@ class OmniParallelDims(ParallelDims):
             )["dp_shard"]
         else:
             dp_shard_mesh = dense["fsdp"]
-        loss = loading["batch", "sp"]._flatten("loss")
+        loss = flatten_mesh(loading["batch", "sp"], "loss")
 
-        self._global_meshes = {
-            "dataloading": loading,
-            "loss": loss,
-            "dense": dense,
-            "sparse": sparse,
-        }
-        self._meshes = {
+        global_meshes = {"dataloading": loading, "loss": loss, "dense": dense, "sparse": sparse}
+        meshes = {
             "pp": loading["pp"],
             "batch": loading["batch"],
             "loss": loss,
@@ -125,10 +120,11 @@ class OmniParallelDims(ParallelDims):
             "efsdp": sparse["efsdp"],
             "etp": sparse["etp"],
         }
-        self._validate_meshes()
+        self.install_meshes(world, global_meshes, meshes)
+        self._check_mesh_sizes()
         return world
 
-    def _validate_meshes(self) -> None:
+    def _check_mesh_sizes(self) -> None:
         expected = {
             "batch": self.dp_replicate * self.dp_shard,
             "loss": self.dp_replicate * self.dp_shard * self.sp,
@@ -139,7 +135,7 @@ class OmniParallelDims(ParallelDims):
             "efsdp": self.dp_shard * self.sp * self.tp // (self.etp * self.ep),
         }
         for name, size in expected.items():
-            actual = self._meshes[name].size()
+            actual = self.named_mesh(name).size()
             if actual != size:
                 raise RuntimeError(f"mesh {name!r} has size {actual}, expected {size}")
 
@@ -153,15 +149,15 @@ class OmniParallelDims(ParallelDims):
             raise ValueError(f"unknown FSDP mesh {choice!r} (expected fsdp, dp_shard or none)")
         if self.dp_replicate * self.dp_shard * self.sp == 1:
             return None
-        if not self._meshes:
+        if not self.meshes_built:
             self.build_mesh()
         cache = self.__dict__.setdefault("_part_meshes", {})
         if choice not in cache:
             if choice == "fsdp" or (choice == "dp_shard" and self.sp == 1):
                 if self.dp_replicate > 1:
-                    cache[choice] = self._global_meshes["dense"]["dp_replicate", "fsdp"]
+                    cache[choice] = self.global_mesh("dense")["dp_replicate", "fsdp"]
                 else:
-                    cache[choice] = self._meshes["fsdp"]
+                    cache[choice] = self.named_mesh("fsdp")
             else:
                 cache[choice] = self._replicated_mesh(choice)
         return cache[choice]
@@ -182,11 +178,11 @@ class OmniParallelDims(ParallelDims):
         """The FSDP mesh of expert-parallel experts: (dp_replicate, efsdp) or efsdp."""
         if self.ep == 1:
             return None
-        if not self._meshes:
+        if not self.meshes_built:
             self.build_mesh()
         if self.dp_replicate > 1:
-            return self._global_meshes["sparse"]["dp_replicate", "efsdp"]
-        return self._meshes["efsdp"]
+            return self.global_mesh("sparse")["dp_replicate", "efsdp"]
+        return self.named_mesh("efsdp")
 
     @property
     def seq_len_divisor(self) -> int:

@@ -24,6 +24,7 @@ import math
 import torch
 import torch.nn as nn
 
+from torchtitan_omni.compat import has_forward_hooks
 from torchtitan_omni.distributed.comm import (
     ProcessGroup,
     all_to_all,
@@ -88,13 +89,7 @@ class UlyssesRunner:
 
 def _plain_linear(module: nn.Module) -> bool:
     """Whether ``module`` is an ``nn.Linear`` whose forward we may replace by ``F.linear``."""
-    return (
-        type(module) is nn.Linear
-        and not module._forward_hooks
-        and not module._forward_pre_hooks
-        and not nn.modules.module._global_forward_hooks
-        and not nn.modules.module._global_forward_pre_hooks
-    )
+    return type(module) is nn.Linear and not has_forward_hooks(module)
 
 
 class AsyncUlyssesRunner(UlyssesRunner):

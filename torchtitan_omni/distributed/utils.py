@@ -9,17 +9,18 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+from torchtitan_omni.compat import all_reduce_traceable, flatten_mesh
 
 
 def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh | None, op: str = "sum") -> torch.Tensor:
     """Reduce ``tensor`` over ``mesh`` (all of its dimensions); identity when ``mesh`` is None."""
     if mesh is None:
         return tensor
-    group = mesh if mesh.ndim == 1 else mesh._flatten()
-    return funcol.all_reduce(tensor, reduceOp=op, group=group)
+    group = mesh if mesh.ndim == 1 else flatten_mesh(mesh)
+    return all_reduce_traceable(tensor, op, group)
 
 
 def reduce_moe_counts(counts: torch.Tensor, ep_mesh: DeviceMesh | None,

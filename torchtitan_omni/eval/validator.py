@@ -32,7 +32,7 @@ from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
 from torchtitan_omni.components.inputs import model_inputs
-from torchtitan_omni.config.manager import ConfigError
+from torchtitan_omni.errors import ConfigError
 from torchtitan_omni.distributed.sequence import shard_sequence
 from torchtitan_omni.distributed.utils import all_reduce
 from torchtitan_omni.eval.mix import document_mix, mix_name

@@ -12,7 +12,7 @@ SwiGLU blocks; Qwen3-MoE: q/k-normed attention + MoE).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -36,6 +36,9 @@ class DecoderLMArgs:
     #: ``[start, stop)``: rows of the tokens added to the tokenizer (the omni special tokens it
     #: lacked); loading a Hugging Face checkpoint sets them to the mean of rows ``[0, start)``
     added_token_rows: tuple[int, int] | None = None
+    #: the block count the flavor declares, remembered when ``omni.llm_layers`` keeps fewer
+    #: (TorchTitan updates the registered args in place); None: ``n_layers``
+    flavor_n_layers: int | None = field(default=None, compare=False, repr=False)
 
 
 class PreNormBlock(nn.Module):

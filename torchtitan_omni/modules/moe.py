@@ -64,6 +64,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from torchtitan_omni.compat import grouped_mm
 from torchtitan_omni.modules import init
 from torchtitan_omni.modules.segment_mm import segment_mm
 
@@ -150,10 +151,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: ExpertGroups,
     if groups.counts is None:  # padded groups
         if not grouped:
             return x @ w.transpose(-2, -1)
-        out = torch._grouped_mm(x.flatten(0, 1), w.transpose(-2, -1), offs=groups.offsets(x))
+        out = grouped_mm(x.flatten(0, 1), w.transpose(-2, -1), groups.offsets(x))
         return out.view(*x.shape[:2], -1)
     if grouped:
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=groups.offsets(x))
+        return grouped_mm(x, w.transpose(-2, -1), groups.offsets(x))
     return segment_mm(x, w.transpose(-2, -1), groups.counts)
 
 

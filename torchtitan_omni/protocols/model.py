@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from abc import abstractmethod
 from dataclasses import dataclass
@@ -89,6 +90,27 @@ class OmniModelArgs(BaseModelArgs):
         return [f.name for f in dataclasses.fields(self) if f.name not in own
                 and getattr(self, f.name) is not self.llm_args]
 
+    def keep_own_parts(self) -> None:
+        """Remember the flavor's own encoder and decoder args before a job puts others in
+        their place: TorchTitan's trainer updates the registered (shared) args in place, and a
+        later job in the process gets them back (:meth:`restore_own_parts`)."""
+        if getattr(self, "_own_parts", None) is None:
+            self._own_parts: dict[str, object] | None = {
+                f: copy.deepcopy(getattr(self, f)) for f in self.part_fields()}
+
+    def own_parts(self) -> dict[str, object]:
+        """The flavor's own encoder and decoder args by field (remembered, else current)."""
+        own = getattr(self, "_own_parts", None)
+        return own if own is not None else {f: getattr(self, f) for f in self.part_fields()}
+
+    def restore_own_parts(self) -> None:
+        """Put back what :meth:`keep_own_parts` remembered (nothing when it did not run)."""
+        own = getattr(self, "_own_parts", None)
+        if own is not None:
+            for name, value in own.items():
+                setattr(self, name, copy.deepcopy(value))
+            self._own_parts = None
+
     def update_from_config(self, job_config: JobConfig, **kwargs) -> None:
         """Take the foundation's shape from Hugging Face (flavor ``hf``) and the parts from
         ``model.parts_flavor``; fit the sequence length and the vocabulary to the job."""
@@ -151,7 +173,7 @@ def fit_vocabulary(args: OmniModelArgs, job_config: JobConfig) -> None:
 
 def flavor_layers(llm) -> int:
     """The foundation's block count as its flavor declares it (before ``omni.llm_layers``)."""
-    return getattr(llm, "_flavor_n_layers", llm.n_layers)
+    return getattr(llm, "flavor_n_layers", None) or llm.n_layers
 
 
 def llm_layers_problem(keep: int, llm) -> str | None:
@@ -170,6 +192,6 @@ def apply_llm_layers(llm, keep: int) -> str | None:
     if problem:
         return problem
     full = flavor_layers(llm)
-    llm._flavor_n_layers = full
+    llm.flavor_n_layers = full
     llm.n_layers = keep or full
     return None

@@ -1,0 +1,223 @@
+"""The one module that reaches into private APIs of TorchTitan 0.2.2, torch and torchdata.
+
+Everything else in ``torchtitan_omni`` uses public names only; what has no public equivalent in
+the pinned versions is wrapped here, each use documented with why. ``tests/test_compat.py``
+checks that every private name used here still exists with the signature or attributes this
+module relies on, so an upgrade of TorchTitan, torch or torchdata fails there, naming the name,
+instead of deep inside a training run.
+
+Wrapped here:
+
+- torch: ``DeviceMesh._unflatten`` / ``_flatten`` (the mesh layout TorchTitan's own
+  ``ParallelDims`` builds with), DTensor's ``_StridedShard`` placement, ``torch._grouped_mm``
+  (grouped GEMM of the MoE experts), ``torch.distributed._functional_collectives``
+  (collectives ``torch.compile`` can trace),
+  ``torch._dynamo`` (recompile limit, compiled-graph count), ``nn.Module``'s hook and
+  non-persistent-buffer registries;
+- TorchTitan: ``ParallelDims``' mesh registry (``_meshes``, ``_global_meshes``,
+  ``_world_mesh``) and its ``_mesh_exist`` hook; ``CheckpointManager``'s
+  ``_purge_stale_checkpoints`` hook and ``_async_wait``; ``ParallelAwareDataloader._rank_id``;
+- torchdata: the layout of a ``StatefulDataLoader`` state (dataset state per worker) and the
+  attributes that make it start over from its dataset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import _StridedShard
+from torchdata.stateful_dataloader.incremental_state import _DATASET_STATE
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.distributed import ParallelDims
+
+# ----------------------------------------------------------------- torch: device meshes
+
+
+def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...],
+                   fake: tuple[str, ...] = ()) -> DeviceMesh:
+    """``mesh``'s (1-D) dimension split into ``names`` of ``sizes``; the dimensions in ``fake``
+    get no process group. torch 2.13 has no public unflatten; TorchTitan builds its meshes the
+    same way."""
+    return mesh._unflatten(0, sizes, names, backend_override=dict.fromkeys(fake, "fake"))
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str | None = None) -> DeviceMesh:
+    """All dimensions of ``mesh`` as one (a process group over all its ranks)."""
+    return mesh._flatten(name) if name is not None else mesh._flatten()
+
+
+#: the placement FSDP2 gives a dimension it shards over one already sharded (expert-parallel
+#: experts, HSDP): chunks taken right-to-left; torch 2.13 exports no public name for it
+StridedShard = _StridedShard
+
+
+# ----------------------------------------------------------------- torch: kernels, collectives
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``: one GEMM per group of rows of ``a`` (CUDA bf16). Looked up at
+    call time, so a test can count calls at torch's entry point."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def all_reduce_traceable(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
+    """All-reduce through torch's functional collectives (traced by ``torch.compile``)."""
+    return funcol.all_reduce(tensor, reduceOp=op, group=group)
+
+
+def all_to_all_traceable(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Even all-to-all of dim 0 through torch's functional collectives: differentiable (its
+    backward is the reverse exchange) and traced by ``torch.compile``."""
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(tensor, None, None, group))
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """Let dynamo keep at least ``limit`` compiled variants per code object (no public
+    setting in torch 2.13)."""
+    config = torch._dynamo.config
+    config.cache_size_limit = max(config.cache_size_limit, limit)
+
+
+def compiled_graph_count() -> int:
+    """Graphs dynamo has compiled in this process (dynamo's own counter)."""
+    from torch._dynamo.utils import counters  # here: importing it loads dynamo
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+# ----------------------------------------------------------------- torch: nn.Module internals
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether a forward (pre-)hook would run around ``module``: its own or a global one.
+    ``nn.Module`` exposes no public query."""
+    return bool(module._forward_hooks or module._forward_pre_hooks
+                or nn.modules.module._global_forward_hooks
+                or nn.modules.module._global_forward_pre_hooks)
+
+
+def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module``'s own buffers that go into its state dict (no recursion). ``named_buffers``
+    cannot tell persistent from non-persistent ones."""
+    for name, buf in module._buffers.items():
+        if buf is not None and name not in module._non_persistent_buffers_set:
+            yield name, buf
+
+
+# ----------------------------------------------------------------- TorchTitan: ParallelDims
+
+
+class TitanParallelDims(ParallelDims):
+    """TorchTitan's ``ParallelDims`` with its private mesh registry behind public names.
+
+    TorchTitan's ``get_mesh``/``get_optional_mesh`` read ``_meshes`` and ``_global_meshes``,
+    which its own ``build_mesh`` fills; a subclass that builds other meshes installs them with
+    :meth:`install_meshes`, and decides which dimensions get process groups with
+    :meth:`mesh_enabled` (TorchTitan's ``_mesh_exist`` hook).
+    """
+
+    def mesh_enabled(self, name: str, degree: int) -> bool:
+        """Whether dimension ``name`` of size ``degree`` needs a process group."""
+        return super()._mesh_exist(name, degree)
+
+    def _mesh_exist(self, name: str, degree: int) -> bool:  # TorchTitan's hook
+        return self.mesh_enabled(name, degree)
+
+    def install_meshes(self, world: DeviceMesh, global_meshes: dict[str, DeviceMesh],
+                       meshes: dict[str, DeviceMesh]) -> None:
+        """Make ``meshes`` (1-D, by name) and ``global_meshes`` (multi-dimensional) what
+        TorchTitan's ``get_mesh``/``get_optional_mesh`` return."""
+        self._world_mesh = world
+        self._global_meshes = global_meshes
+        self._meshes = meshes
+
+    @property
+    def meshes_built(self) -> bool:
+        """Whether the meshes exist (``build_mesh`` ran)."""
+        return bool(self._meshes)
+
+    def named_mesh(self, name: str) -> DeviceMesh:
+        """The built 1-D mesh ``name``, whatever its size (``get_mesh`` refuses size 1)."""
+        return self._meshes[name]
+
+    def global_mesh(self, name: str) -> DeviceMesh:
+        """The built multi-dimensional mesh ``name`` (e.g. "dense", "sparse")."""
+        return self._global_meshes[name]
+
+
+# ----------------------------------------------------------------- TorchTitan: CheckpointManager
+
+
+class TitanCheckpointManager(CheckpointManager):
+    """TorchTitan's ``CheckpointManager`` with its private hooks behind public names.
+
+    TorchTitan's ``save`` calls ``_purge_stale_checkpoints`` after each save: a subclass
+    overrides :meth:`purge_stale_checkpoints` instead. :meth:`wait_for_async_save` waits for an
+    asynchronous save in flight (``_async_wait``).
+    """
+
+    def purge_stale_checkpoints(self) -> None:
+        """Queue the checkpoints to delete after a save (TorchTitan's default policy)."""
+        super()._purge_stale_checkpoints()
+
+    def _purge_stale_checkpoints(self) -> None:  # TorchTitan's hook
+        self.purge_stale_checkpoints()
+
+    def wait_for_async_save(self) -> None:
+        """Block until an asynchronous save in flight has finished (no-op without one)."""
+        self._async_wait()
+
+
+# ----------------------------------------------------------------- TorchTitan / torchdata: loader
+
+#: keys of a ``StatefulDataLoader`` state (torchdata 0.11): with loader workers, the worker
+#: snapshot and the batches taken since it; without, the count of batches yielded
+_SNAPSHOT, _WORKER_SNAPSHOTS = "_snapshot", "_worker_snapshots"
+_STEPS_SINCE, _NUM_YIELDED = "_steps_since_snapshot", "_num_yielded"
+
+
+def loader_state_key(loader: ParallelAwareDataloader) -> str:
+    """The key under which TorchTitan's loader keeps this data rank's state."""
+    return loader._rank_id
+
+
+def loader_state_key_of_rank(dp_rank: int) -> str:
+    """The key of data rank ``dp_rank``'s state in TorchTitan's loader state dicts (the same
+    pattern as :func:`loader_state_key`; the test checks they agree)."""
+    return f"dp_rank_{dp_rank}"
+
+
+def loader_worker_count(state: dict[str, Any]) -> int:
+    """Loader workers of a ``StatefulDataLoader`` state (0: loaded in the main process)."""
+    return len(state[_SNAPSHOT][_WORKER_SNAPSHOTS]) if _SNAPSHOT in state else 0
+
+
+def loader_steps_since_snapshot(state: dict[str, Any]) -> int:
+    """Batches taken after the workers' last snapshot (their rows are in no dataset state)."""
+    return int(state.get(_STEPS_SINCE, 0)) if _SNAPSHOT in state else 0
+
+
+def loader_dataset_states(state: dict[str, Any]) -> list[Any] | None:
+    """The dataset state of each loader worker (one entry without workers) in a
+    ``StatefulDataLoader`` state; None when the state has another layout."""
+    if _SNAPSHOT in state:
+        workers = state[_SNAPSHOT][_WORKER_SNAPSHOTS]
+        return [workers[f"worker_{w}"].get(_DATASET_STATE) for w in range(len(workers))]
+    if _NUM_YIELDED in state:
+        return [state.get(_DATASET_STATE)]
+    return None
+
+
+def restart_loader_from_dataset(loader: ParallelAwareDataloader) -> None:
+    """Make the next iteration of ``loader`` start from its dataset's current state, not from
+    a ``StatefulDataLoader`` state loaded before (no public reset in torchdata 0.11)."""
+    loader._iterator = None
+    loader._initial_iter_for_state_dict = False
+    loader.next_iter_state = None
