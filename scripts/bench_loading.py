@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from torchtitan_omni.checkpoint.hf_export import ShardedWriter, exportable_parts
 from torchtitan_omni.checkpoint.hf_loader import expected_hf_shape
-from torchtitan_omni.checkpoint.model_build import init_process_group, model_on_meta, train_spec_of
+from torchtitan_omni.distributed.process_group import init_process_group
+from torchtitan_omni.job_model import model_on_meta, train_spec_of
 from torchtitan_omni.checkpoint.parts import state_tensors
 from torchtitan_omni.checkpoint.sharding import local_tensor
 from torchtitan_omni.checkpoint.weights import load_initial_weights
@@ -53,7 +54,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def _config(args, flavor: str | None, overrides: list[str]):
     """The job config: ``--config`` or ``--model`` (+ flavor) with the ``--`` overrides."""
-    from torchtitan_omni.checkpoint.model_build import parse_config
+    from torchtitan_omni.config.manager import parse_config
     from torchtitan_omni.config.manager import OmniConfigManager
 
     flags = (["--model.name", args.model] if args.model else []) + \
@@ -77,7 +78,7 @@ def _device_bytes() -> int:
 
 def pick_flavor(args, overrides: list[str], world: int) -> str:
     """The largest flavor that fits (see the module docstring)."""
-    from torchtitan_omni.checkpoint.model_build import model_on_meta, train_spec_of
+    from torchtitan_omni.job_model import model_on_meta, train_spec_of
 
     spec = train_spec_of(_config(args, None, overrides))
     os.makedirs(args.dir, exist_ok=True)

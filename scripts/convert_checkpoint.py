@@ -48,9 +48,9 @@ from torchtitan_omni.checkpoint.parts import top_level_parts
 from torchtitan_omni.checkpoint.safetensors_folder import EXTRA_FILE
 from torchtitan_omni.checkpoint.tensor_readers import DCPReader
 from torchtitan_omni.lora import apply_lora_config, lora_settings
-from torchtitan_omni.checkpoint.model_build import (
-    init_process_group, model_on_meta, parse_config, sharded_model,
-)
+from torchtitan_omni.config.manager import parse_config
+from torchtitan_omni.distributed.process_group import init_process_group
+from torchtitan_omni.job_model import model_on_meta, sharded_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

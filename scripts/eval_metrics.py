@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from torchtitan.tools.logging import init_logger
 
-    from torchtitan_omni.checkpoint.model_build import init_process_group
+    from torchtitan_omni.distributed.process_group import init_process_group
     from torchtitan_omni.config.manager import parse_job_config_or_exit
     from torchtitan_omni.errors import OmniInputError
 

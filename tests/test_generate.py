@@ -27,7 +27,8 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def generator(trained):
-    from torchtitan_omni.checkpoint.model_build import init_process_group, parse_config
+    from torchtitan_omni.config.manager import parse_config
+    from torchtitan_omni.distributed.process_group import init_process_group
     from torchtitan_omni.generate import Generator
 
     init_process_group()

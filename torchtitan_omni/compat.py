@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo.utils import counters as dynamo_counters
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -87,9 +88,7 @@ def raise_recompile_limit(limit: int) -> None:
 
 def compiled_graph_count() -> int:
     """Graphs dynamo has compiled in this process (dynamo's own counter)."""
-    from torch._dynamo.utils import counters  # here: importing it loads dynamo
-
-    return int(counters["stats"].get("unique_graphs", 0))
+    return int(dynamo_counters["stats"].get("unique_graphs", 0))
 
 
 # ----------------------------------------------------------------- torch: nn.Module internals

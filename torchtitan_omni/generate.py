@@ -28,11 +28,13 @@ import sys
 
 import torchtitan_omni  # noqa: F401  (selects the device before TorchTitan loads)
 import numpy as np
+from PIL import Image
 import torch
 
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import init_logger, logger
 
+from torchtitan_omni.checkpoint.weights import load_job_weights
 from torchtitan_omni.config.manager import ConfigError, parse_job_config_or_exit
 from torchtitan_omni.data.bad_samples import Source
 from torchtitan_omni.data.collate import collate
@@ -41,7 +43,10 @@ from torchtitan_omni.data.processors import build_processors
 from torchtitan_omni.data.sample import Sample, Turn, split_placeholders
 from torchtitan_omni.data.template import generation_prompt
 from torchtitan_omni.data.tokenizer import build_omni_tokenizer
+from torchtitan_omni.distributed.process_group import init_process_group
 from torchtitan_omni.errors import OmniInputError
+from torchtitan_omni.job_model import job_model_args, model_on_meta
+from torchtitan_omni.lora import apply_lora_config
 from torchtitan_omni.modules.attention import KVCache
 from torchtitan_omni.omni_model import OmniModel
 from torchtitan_omni.platform import local_device
@@ -75,10 +80,6 @@ class Generator:
     @classmethod
     def from_config(cls, cfg: JobConfig, checkpoint: str | None = None) -> "Generator":
         """Build the job's model on ``local_device()`` and load its newest checkpoint."""
-        from torchtitan_omni.checkpoint.model_build import job_model_args, model_on_meta
-        from torchtitan_omni.checkpoint.weights import load_job_weights
-        from torchtitan_omni.lora import apply_lora_config
-
         device = local_device()
         tokenizer = build_omni_tokenizer(cfg)
         processors = build_processors(dict(job_model_args(cfg).processing()))
@@ -206,8 +207,6 @@ class Generator:
 
 def save_png(image: torch.Tensor, path: str) -> None:
     """Write an image ``[3, H, W]`` in ``[-1, 1]`` as PNG."""
-    from PIL import Image
-
     pixels = (
         ((image.float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy()
     )
@@ -222,7 +221,6 @@ def main(argv: list[str] | None = None) -> None:
     if not g.prompt:
         print("torchtitan-omni: config error: --generate.prompt is empty", file=sys.stderr)
         sys.exit(2)
-    from torchtitan_omni.checkpoint.model_build import init_process_group
 
     init_process_group()  # DCP reads through a (single-process) group
     try:

@@ -12,6 +12,8 @@ from torchtitan.protocols.train_spec import TrainSpec
 
 from torchtitan_omni.components.loss import build_omni_loss
 from torchtitan_omni.components.metrics import build_omni_metrics_processor
+from torchtitan_omni.data.loader import build_omni_dataloader
+from torchtitan_omni.data.tokenizer import build_omni_tokenizer
 from torchtitan_omni.distributed.parallelize import parallelize_omni
 from torchtitan_omni.eval.validator import build_omni_validator
 
@@ -20,12 +22,8 @@ def omni_train_spec(model_cls, model_args: Mapping[str, object], state_dict_adap
                     build_dataloader_fn=None, build_tokenizer_fn=None) -> TrainSpec:
     """A ``TrainSpec`` with torchtitan-omni's parallelize, data, loss, metrics and validator
     (held-out batches from the spec's data loader builder)."""
-    if build_dataloader_fn is None or build_tokenizer_fn is None:
-        from torchtitan_omni.data.loader import build_omni_dataloader
-        from torchtitan_omni.data.tokenizer import build_omni_tokenizer
-
-        build_dataloader_fn = build_dataloader_fn or build_omni_dataloader
-        build_tokenizer_fn = build_tokenizer_fn or build_omni_tokenizer
+    build_dataloader_fn = build_dataloader_fn or build_omni_dataloader
+    build_tokenizer_fn = build_tokenizer_fn or build_omni_tokenizer
     return TrainSpec(
         model_cls=model_cls,
         model_args=model_args,

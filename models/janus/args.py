@@ -9,7 +9,7 @@ from torchtitan_omni.decoders.gen_image import GenImageArgs, GenImageDecoder
 from torchtitan_omni.encoders.siglip import SiglipArgs, SiglipEncoder
 from torchtitan_omni.foundations.hf_config import LLAMA
 from torchtitan_omni.foundations.llama3 import Llama3Args
-from torchtitan_omni.protocols.model import HF_FLAVOR, OmniModelArgs
+from torchtitan_omni.model_args import HF_FLAVOR, OmniModelArgs
 from torchtitan_omni.protocols.modules import OmniDecoder, OmniEncoder
 
 

@@ -9,7 +9,7 @@ from torchtitan_omni.encoders.audio import AudioArgs, AudioEncoder
 from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder
 from torchtitan_omni.foundations.hf_config import QWEN3
 from torchtitan_omni.foundations.qwen3 import Qwen3Args
-from torchtitan_omni.protocols.model import HF_FLAVOR, OmniModelArgs
+from torchtitan_omni.model_args import HF_FLAVOR, OmniModelArgs
 from torchtitan_omni.protocols.modules import OmniEncoder
 
 

@@ -31,7 +31,7 @@ def job_config(*overrides: str):
 def build(world_size: int, *overrides: str):
     """(model, parallel dims, config): built on meta, parallelized, materialized, initialized."""
     import tests.checkpoint.spec  # noqa: F401  (registers the spec)
-    from torchtitan_omni.checkpoint.model_build import sharded_model
+    from torchtitan_omni.job_model import sharded_model
     from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 
     cfg = job_config(*overrides)

@@ -25,7 +25,7 @@ from torchtitan_omni.foundations.llama3 import Llama3, Llama3Args
 from torchtitan_omni.foundations.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
 from torchtitan_omni.omni_model import OmniModel
 from torchtitan_omni.protocols import batch as B
-from torchtitan_omni.protocols.model import OmniModelArgs
+from torchtitan_omni.model_args import OmniModelArgs
 from torchtitan_omni.protocols.plan import OmniParallelPlan, PartLayout
 from torchtitan_omni.spec import omni_train_spec
 

@@ -98,7 +98,9 @@ def test_every_part_of_a_zoo_model_round_trips(spec, tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from torchtitan_omni.checkpoint.model_build import model_on_meta, parse_config
+    from torchtitan_omni.config.manager import parse_config
+
+    from torchtitan_omni.job_model import model_on_meta
     from torchtitan_omni.checkpoint.parts import state_tensors
     from torchtitan_omni.checkpoint.weights import load_initial_weights
 

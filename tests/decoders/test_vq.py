@@ -142,7 +142,7 @@ def test_matches_hf_janus_vqvae(tmp_path):
     save_file({f"model.vqmodel.{k}": v.contiguous() for k, v in hf.state_dict().items()}, str(path))
 
     vq = VQTokenizer(args)
-    missing, unused = load_with_adapter(vq, JanusVQAdapter(args), path)
+    missing, unused = load_with_adapter(vq, JanusVQAdapter(args, list(vq.state_dict())), path)
     assert missing == set() and unused == set()
 
     pixels = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(2)) * 2 - 1

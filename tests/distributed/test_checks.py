@@ -104,3 +104,29 @@ def test_split_bounds_and_item_slicing():
     assert part["grid_thw"].tolist() == [[1, 3, 2]]
     with pytest.raises(ValueError, match="'odd' has 3 rows"):
         slice_items({**media, "odd": torch.zeros(3)}, 0, 1)
+
+
+def test_a_model_that_refuses_its_args_is_one_config_line_and_a_bug_keeps_its_traceback(
+        monkeypatch):
+    """Building the model on meta for the plan check: args the model refuses (ValueError) are
+    a config error; anything else is a bug and is not swallowed."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    cfg = _config()
+    cfg.parallelism.ulysses_degree = 2
+    spec = get_train_spec(cfg.model.name)
+
+    def refuses(args):
+        raise ValueError("n_heads (4) must be a multiple of n_kv_heads (3)\nsecond line")
+
+    monkeypatch.setattr(spec, "model_cls", refuses)
+    with pytest.raises(ConfigError, match="cannot be built with these settings: n_heads") as e:
+        validate_job_config(cfg, world_size=2)
+    assert "\n" not in str(e.value)
+
+    def broken(args):
+        raise RuntimeError("a bug in the spec")
+
+    monkeypatch.setattr(spec, "model_cls", broken)
+    with pytest.raises(RuntimeError, match="a bug in the spec"):
+        validate_job_config(cfg, world_size=2)

@@ -14,7 +14,8 @@ CONFIG = "train_configs/convergence/llama_omni_debug.toml"
 
 @pytest.fixture(scope="module")
 def setup():
-    from torchtitan_omni.checkpoint.model_build import model_on_meta, parse_config, train_spec_of
+    from torchtitan_omni.config.manager import parse_config
+    from torchtitan_omni.job_model import model_on_meta, train_spec_of
     from torchtitan_omni.data.loader import dataset_root
     from torchtitan_omni.data.processors import build_processors
     from torchtitan_omni.data.tokenizer import build_omni_tokenizer

@@ -209,7 +209,7 @@ def test_lora_settings_without_enable():
     cfg = _parse("--lora.enable")  # the default targets fit the MoE model: experts, attention
     assert cfg.lora.enable and cfg.lora.rank == 8
     with torch.device("meta"):
-        from torchtitan_omni.checkpoint.model_build import model_on_meta
+        from torchtitan_omni.job_model import model_on_meta
         from torchtitan_omni.lora import apply_lora_config
 
         model = model_on_meta(cfg)

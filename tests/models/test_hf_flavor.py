@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from tests.harness import REPO, load_script, run_train  # noqa: E402
 from tests.models.hf_folders import ARCHS, make_folder  # noqa: E402
-from torchtitan_omni.checkpoint.model_build import job_model_args, model_on_meta  # noqa: E402
+from torchtitan_omni.job_model import job_model_args, model_on_meta  # noqa: E402
 from torchtitan_omni.checkpoint.weights import load_initial_weights  # noqa: E402
 from torchtitan_omni.config.manager import ConfigError, parse_job_config  # noqa: E402
 from torchtitan_omni.protocols.modules import AttentionMeta  # noqa: E402

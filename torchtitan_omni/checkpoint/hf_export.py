@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -223,8 +224,6 @@ class ShardedWriter:
         self.pending, self.pending_bytes = {}, 0
 
     def _read_back(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         with safe_open(
             os.path.join(self.folder, self.files[self.weight_map[key]]), framework="pt"
         ) as f:

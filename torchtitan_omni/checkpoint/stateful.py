@@ -27,6 +27,7 @@ import pickle
 import random
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -103,8 +104,6 @@ def _capture_rng() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     try:
-        import numpy as np
-
         state["numpy"] = np.random.get_state()
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
@@ -117,8 +116,6 @@ def _restore_rng(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
-        import numpy as np
-
         np.random.set_state(state["numpy"])
 
 

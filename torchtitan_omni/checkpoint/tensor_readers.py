@@ -28,6 +28,7 @@ from torchtitan_omni.checkpoint.completion import resolve_checkpoint
 from torchtitan_omni.checkpoint.hf_loader import load_tensor
 from torchtitan_omni.checkpoint.parts import resolve_part
 from torchtitan_omni.checkpoint.safetensors_folder import EXTRA_FILE, SafetensorsFolder
+from torchtitan_omni.checkpoint.weights import is_hf_folder, parse_sources
 from torchtitan_omni.protocols.hf import HFAdapter, HFSource
 
 Meta = tuple[tuple[int, ...], torch.dtype]
@@ -147,8 +148,6 @@ class ChainReader:
 def sources_reader(model: nn.Module, entries: list[str]) -> ChainReader:
     """The tensors ``weights.sources`` gives the model (``model`` on the meta device is
     enough: only its parts' adapters are used)."""
-    from torchtitan_omni.checkpoint.weights import is_hf_folder, parse_sources
-
     readers: list[TensorReader] = []
     for src in parse_sources(entries):
         if is_hf_folder(src.path):

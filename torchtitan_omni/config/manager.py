@@ -36,8 +36,8 @@ from torchtitan_omni.config.merge import OMNI_CONFIG_MODULE, omni_config_class
 from torchtitan_omni.config.validate import validate_job_config
 from torchtitan_omni.errors import ConfigError
 
-__all__ = ["OMNI_CONFIG_MODULE", "ConfigError", "OmniConfigManager", "parse_job_config",
-           "parse_job_config_or_exit"]
+__all__ = ["OMNI_CONFIG_MODULE", "ConfigError", "OmniConfigManager", "parse_config",
+           "parse_job_config", "parse_job_config_or_exit"]
 
 
 def _suggest(name: str, options: list[str]) -> str:
@@ -220,6 +220,11 @@ def _first_message(text: str) -> str:
         elif lines:
             break  # the frame's separator after the message
     return " ".join(lines) or "the command line could not be parsed"
+
+
+def parse_config(config_file: str, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """A validated job config from a TOML file and ``--section.key value`` overrides."""
+    return OmniConfigManager().parse_args(["--job.config_file", config_file, *overrides])
 
 
 def parse_job_config(args: list[str] | None = None) -> JobConfig:

@@ -10,14 +10,27 @@ vs. experts), and the ``[lora]`` settings against the model's module names.
 
 from __future__ import annotations
 
+import copy
+import importlib
 import math
 import os
+from typing import Any
+
+import torch
 
 from torchtitan.config import JobConfig
+from torchtitan.protocols.train_spec import get_train_spec
 
+import torchtitan_omni.models  # noqa: F401  (registers the zoo's specs, which are checked here)
 from torchtitan_omni.config.unsupported import check_values, refuse_unsupported
 from torchtitan_omni.config.values import Context
-from torchtitan_omni.errors import ConfigError
+from torchtitan_omni.data.default_dataset import DEFAULT_NAME
+from torchtitan_omni.data.loader import build_omni_dataloader, check_data_config
+from torchtitan_omni.data.tokenizer import tokenizer_folder
+from torchtitan_omni.distributed.checks import plan_problem
+from torchtitan_omni.errors import ConfigError, OmniInputError
+from torchtitan_omni.lora import apply_lora_config
+from torchtitan_omni.protocols.model import llm_layers_problem
 
 
 def world_size_from_env() -> int:
@@ -103,9 +116,6 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
 def _validate_data(cfg: JobConfig, spec) -> None:
     """The [data] values, and that a user dataset exists (the bundled one is built on use),
     for specs that read data through torchtitan-omni's loader."""
-    from torchtitan_omni.data.default_dataset import DEFAULT_NAME
-    from torchtitan_omni.data.loader import build_omni_dataloader, check_data_config
-
     if spec.build_dataloader_fn is not build_omni_dataloader:
         return
 
@@ -124,11 +134,6 @@ def _validate_data(cfg: JobConfig, spec) -> None:
 
 
 def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
-    import importlib
-
-    import torchtitan_omni.models  # noqa: F401  (registers the specs)
-    from torchtitan.protocols.train_spec import get_train_spec
-
     if cfg.experimental.custom_import:
         try:
             importlib.import_module(cfg.experimental.custom_import)
@@ -146,8 +151,6 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
         )
     _validate_data(cfg, spec)
     args = _job_args(spec, cfg)
-    from torchtitan_omni.protocols.model import llm_layers_problem
-
     llm_args = getattr(args, "llm_args", None)
     if cfg.omni.llm_layers and llm_args is not None:
         problem = llm_layers_problem(cfg.omni.llm_layers, llm_args)
@@ -166,13 +169,22 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
     _validate_lora(cfg, spec, args)
 
 
+def _model_on_meta(spec, args) -> Any:  # an OmniModel, or what a custom spec builds
+    """The spec's model built on the meta device (no memory). Args the model refuses
+    (``ValueError``, ``OmniInputError``) are a :class:`ConfigError`; any other failure is a bug
+    of the spec and keeps its traceback."""
+    try:
+        with torch.device("meta"):
+            return spec.model_cls(args)
+    except (OmniInputError, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{spec.model_cls.__name__} cannot be built with these settings: "
+                          f"{why}") from None
+
+
 def _job_args(spec, cfg: JobConfig):
     """The flavor's args; for flavor "hf" or a ``model.parts_flavor``, shaped by the job
     (``config.json`` files read, a copy updated) so every check sees the real model."""
-    import copy
-
-    from torchtitan_omni.errors import OmniInputError
-
     args = spec.model_args[cfg.model.flavor]
     if not (getattr(args, "from_hf", False) or cfg.model.parts_flavor):
         return args
@@ -184,8 +196,6 @@ def _job_args(spec, cfg: JobConfig):
     except ValueError as e:  # e.g. a tokenizer larger than the checkpoint's vocabulary
         raise ConfigError(str(e)) from None
     if args.from_hf:
-        from torchtitan_omni.data.tokenizer import tokenizer_folder
-
         folder = tokenizer_folder(cfg)
         if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
             raise ConfigError(
@@ -201,15 +211,7 @@ def _validate_plan(spec, args, ulysses_degree: int, ep_degree: int,
     (catches what a spec's own ``validate_parallelism`` misses)."""
     if ulysses_degree == 1 and ep_degree == 1 and capacity_factor == 0:
         return
-    import torch
-
-    from torchtitan_omni.distributed.checks import plan_problem
-
-    try:
-        with torch.device("meta"):
-            model = spec.model_cls(args)
-    except Exception:  # noqa: BLE001  (building fails for other reasons: the trainer reports it)
-        return
+    model = _model_on_meta(spec, args)
     problem = plan_problem(model, ulysses_degree, ep_degree, capacity_factor)
     if problem:
         raise ConfigError(problem)
@@ -237,15 +239,7 @@ def _validate_lora(cfg: JobConfig, spec, args) -> None:
             "lora.save_adapter_only with checkpoint.initial_load_path: resuming an adapter-only "
             "checkpoint takes the base from weights.sources, so give the base there (a DCP "
             "checkpoint works too: 'llm=PATH')")
-    import torch
-
-    from torchtitan_omni.lora import apply_lora_config
-
-    try:
-        with torch.device("meta"):
-            model = spec.model_cls(args)
-    except Exception:  # noqa: BLE001  (building fails for other reasons: the trainer reports it)
-        return
+    model = _model_on_meta(spec, args)
     try:
         model.freeze(list(cfg.omni.freeze))
         apply_lora_config(model, lora)

@@ -18,6 +18,7 @@ import torch
 from torchtitan.config import JobConfig
 
 from torchtitan_omni import platform
+from torchtitan_omni.eval.validator import validation_problem
 
 FLOAT8 = "float8"
 COMPILE_COMPONENTS = ("model", "loss")
@@ -173,7 +174,6 @@ def validation(value, cfg, ctx) -> str | None:
     """The [validation] values and the held-out data, when validation is on."""
     if not value:
         return None
-    from torchtitan_omni.eval.validator import validation_problem
 
     problem = validation_problem(cfg, ctx.degrees["ulysses_degree"])
     # the validator's message names its own key: drop the leading "validation.enable" context

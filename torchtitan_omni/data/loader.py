@@ -34,7 +34,9 @@ from torchtitan_omni.data.document import DocumentEncoder
 from torchtitan_omni.data.packing import BatchPlan
 from torchtitan_omni.data.processors import build_processors
 from torchtitan_omni.data.source import RowSource, find_files
+from torchtitan_omni.data.tokenizer import build_omni_tokenizer
 from torchtitan_omni.errors import OmniInputError
+from torchtitan_omni.job_model import job_model_args
 from torchtitan_omni.platform import is_cpu
 from torchtitan_omni.protocols.batch import MODALITIES
 
@@ -163,8 +165,6 @@ def dataset_root(job_config) -> str:
 
 def model_processing(job_config) -> dict[str, Any]:
     """The model's processing config per modality, limited to ``data.modalities``."""
-    from torchtitan_omni.checkpoint.model_build import job_model_args
-
     # the job's args: flavor "hf" and model.parts_flavor change the encoders (TorchTitan's
     # trainer builds the data loader before it updates the registered args)
     args = job_model_args(job_config)
@@ -228,8 +228,6 @@ def build_omni_dataloader(
     ``seq_len`` and ``local_batch_size`` override the job's (e.g. for validation, with
     ``infinite=False``).
     """
-    from torchtitan_omni.data.tokenizer import build_omni_tokenizer
-
     data = job_config.data
     seq_len = seq_len or job_config.training.seq_len
     rows = local_batch_size or job_config.training.local_batch_size

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from PIL import Image
+import soundfile as sf
 
 from torchtitan_omni.data.bad_samples import CORRUPT_MEDIA, MISSING_MEDIA, BadSample, Source
 
@@ -48,8 +50,6 @@ def resolve(ref: Any, root: str, kind: str, source: Source | None) -> tuple[Any,
 
 def load_image(ref: Any, root: str, source: Source | None = None, kind: str = "image"):
     """The image as an RGB ``PIL.Image``."""
-    from PIL import Image
-
     target, name = resolve(ref, root, kind, source)
     try:
         with Image.open(target) as img:
@@ -92,7 +92,7 @@ def _rgb(frame) -> np.ndarray:
 def load_video(ref: Any, root: str, fps: float, max_frames: int, group: int,
                source: Source | None = None) -> Video:
     """Frames sampled uniformly at ``fps`` (fewer, uniformly, when the clip is long)."""
-    import av
+    import av  # noqa: PLC0415  (loads FFmpeg's libraries: only runs with video pay for it)
 
     target, name = resolve(ref, root, "video", source)
     try:
@@ -133,8 +133,6 @@ def load_audio(ref: Any, root: str, source: Source | None = None) -> tuple[np.nd
     target, name = resolve(ref, root, "audio", source)
     errors = []
     try:
-        import soundfile as sf
-
         data, rate = sf.read(target, dtype="float32", always_2d=True)
         wave = data.mean(axis=1)
     except Exception as e:  # noqa: BLE001  (any failure: PyAV gets its turn below)
@@ -154,7 +152,7 @@ def load_audio(ref: Any, root: str, source: Source | None = None) -> tuple[np.nd
 
 
 def _decode_audio_av(target) -> tuple[np.ndarray, int]:
-    import av
+    import av  # noqa: PLC0415  (loads FFmpeg's libraries: only audio soundfile cannot read)
 
     with av.open(target) as container:
         stream = container.streams.audio[0]

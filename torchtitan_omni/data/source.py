@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import datasets
 import numpy as np
 
 from torchtitan_omni.data.bad_samples import Source
@@ -64,8 +65,6 @@ def find_files(path: str, split: str) -> list[str]:
 
 
 def _load_parquet(file: str, streaming: bool):
-    import datasets
-
     try:
         ds = datasets.load_dataset("parquet", data_files=[file], split="train",
                                    streaming=streaming)

@@ -30,6 +30,7 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.tools.logging import logger
 
 from torchtitan_omni.data import special_tokens as st
+from torchtitan_omni.data.default_dataset import maybe_build_default
 from torchtitan_omni.protocols.batch import MODALITIES
 from torchtitan_omni.protocols.model import HF_FLAVOR
 
@@ -210,8 +211,6 @@ def build_omni_tokenizer(job_config) -> OmniTokenizer:
     folder has no ``tokenizer.json``, the bundled dataset and tokenizer are built first (once,
     under a file lock, whichever rank gets there first).
     """
-    from torchtitan_omni.data.default_dataset import maybe_build_default
-
     path = tokenizer_folder(job_config)
     maybe_build_default(job_config)
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from torchtitan_omni.decoders.vq import VQArgs, VQTokenizer
+from torchtitan_omni.decoders.hf import JanusGenAdapter
+from torchtitan_omni.decoders.vq import VQArgs, VQTokenizer, vq_tensor_names
 from torchtitan_omni.encoders.projector import MLPProjector
 from torchtitan_omni.modules import init
 from torchtitan_omni.protocols.batch import GEN_IMAGE
@@ -143,6 +144,4 @@ class GenImageDecoder(OmniDecoder):
         self.head.init_weights(0.02)
 
     def hf_adapter(self):
-        from torchtitan_omni.decoders.hf import JanusGenAdapter
-
-        return JanusGenAdapter(self.args, self.llm_dim)
+        return JanusGenAdapter(self.args, self.llm_dim, vq_tensor_names(self.args.vq))

@@ -7,20 +7,27 @@
   ``model.generation_embeddings`` + ``model.generation_aligner``, the head from
   ``model.generation_head``.
 
-Names on our side are relative to the part; the VQ's are enumerated from a meta-device
-instance and renamed, so the table follows the module exactly.
+Names on our side are relative to the part; the VQ's are the tokenizer's own tensor names
+(its ``hf_adapter`` enumerates them from a meta-device instance) renamed, so the table follows
+the module exactly. The modules build their adapters; this module imports neither.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-import torch
-
-from torchtitan_omni.decoders.gen_image import GenImageArgs
-from torchtitan_omni.decoders.vq import FORMAT, VQArgs, VQTokenizer
 from torchtitan_omni.encoders.hf import JANUS_LLM_KEYS, add_mlp_projector, aligner_names, one
 from torchtitan_omni.protocols.hf import HFAdapter, HFSource
+
+if TYPE_CHECKING:  # annotations only: the decoder modules import this one
+    from torchtitan_omni.decoders.gen_image import GenImageArgs
+    from torchtitan_omni.decoders.vq import VQArgs
+
+#: the format tag of the VQ folders ``scripts/train_vq.py`` writes (``decoders.vq.save_vq``)
+FORMAT = "torchtitan_omni.vq"
 
 # Our VQ names -> JanusVQVAE names (applied in order to names relative to the tokenizer).
 _VQ_RULES = (
@@ -49,10 +56,8 @@ def janus_vq_name(ours: str) -> str:
 
 
 def _vq_sources(
-    args: VQArgs, ours_prefix: str, hf_prefix: str, rename: bool = True
+    names: Sequence[str], ours_prefix: str, hf_prefix: str, rename: bool = True
 ) -> dict[str, HFSource]:
-    with torch.device("meta"):
-        names = list(VQTokenizer(args).state_dict())
     return {
         f"{ours_prefix}{n}": one(hf_prefix + (janus_vq_name(n) if rename else n)) for n in names
     }
@@ -69,30 +74,30 @@ def _vq_config(args: VQArgs) -> dict:
 
 
 class NativeVQAdapter(HFAdapter):
-    """The tokenizer's own tensor names (the folders written by ``scripts/train_vq.py``)."""
+    """The tokenizer's own tensor names (the folders written by ``scripts/train_vq.py``);
+    ``names``: the tokenizer's tensor names."""
 
-    def __init__(self, args: VQArgs) -> None:
-        self.args = args
+    def __init__(self, args: VQArgs, names: Sequence[str]) -> None:
+        self.args, self.names = args, list(names)
 
     def sources(self) -> dict[str, HFSource]:
-        return _vq_sources(self.args, "", "", rename=False)
+        return _vq_sources(self.names, "", "", rename=False)
 
     def hf_config(self) -> dict:
-        from dataclasses import asdict
-
         return {"format": FORMAT, **asdict(self.args)}
 
 
 class JanusVQAdapter(HFAdapter):
-    """Our ``VQTokenizer`` <-> ``model.vqmodel.*`` of a Janus checkpoint."""
+    """Our ``VQTokenizer`` <-> ``model.vqmodel.*`` of a Janus checkpoint; ``names``: the
+    tokenizer's tensor names."""
 
-    def __init__(self, args: VQArgs, prefix: str = "model.vqmodel.") -> None:
+    def __init__(self, args: VQArgs, names: Sequence[str], prefix: str = "model.vqmodel.") -> None:
         if not args.l2_norm or args.norm_groups != 32:
             raise ValueError("Janus' VQ uses l2-normalized codes and 32 GroupNorm groups")
-        self.args, self.prefix = args, prefix
+        self.args, self.names, self.prefix = args, list(names), prefix
 
     def sources(self) -> dict[str, HFSource]:
-        return _vq_sources(self.args, "", self.prefix)
+        return _vq_sources(self.names, "", self.prefix)
 
     def ignored_hf_keys(self) -> tuple[str, ...]:
         p = self.prefix.removesuffix("vqmodel.")  # the rest of a Janus checkpoint
@@ -103,16 +108,19 @@ class JanusVQAdapter(HFAdapter):
 
 
 class JanusGenAdapter(HFAdapter):
-    """Our ``GenImageDecoder`` <-> Janus' VQ, generation embedding, aligner and head."""
+    """Our ``GenImageDecoder`` <-> Janus' VQ, generation embedding, aligner and head;
+    ``vq_names``: the VQ tokenizer's tensor names."""
 
-    def __init__(self, args: GenImageArgs, llm_dim: int, prefix: str = "model.") -> None:
+    def __init__(self, args: GenImageArgs, llm_dim: int, vq_names: Sequence[str],
+                 prefix: str = "model.") -> None:
         if args.head_depth != 2:
             raise ValueError("Janus' generation head is two linears: set head_depth = 2")
         self.args, self.llm_dim, self.prefix = args, llm_dim, prefix
+        self.vq_names = list(vq_names)
 
     def sources(self) -> dict[str, HFSource]:
         p = self.prefix
-        out = _vq_sources(self.args.vq, "vq.", f"{p}vqmodel.")
+        out = _vq_sources(self.vq_names, "vq.", f"{p}vqmodel.")
         out["aligner.embed.weight"] = one(f"{p}generation_embeddings.weight")
         add_mlp_projector(
             out, "aligner.mlp", aligner_names(f"{p}generation_aligner.", self.args.aligner_depth)

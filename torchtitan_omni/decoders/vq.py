@@ -31,9 +31,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torchtitan_omni.decoders.hf import FORMAT, JanusVQAdapter, NativeVQAdapter
 from torchtitan_omni.modules import init
-
-FORMAT = "torchtitan_omni.vq"
 
 
 @dataclass
@@ -423,13 +424,10 @@ class VQTokenizer(nn.Module):
 
     def hf_adapter(self):
         """The tensor naming of the checkpoints this tokenizer loads (``VQArgs.hf_format``)."""
-        from torchtitan_omni.decoders.hf import JanusVQAdapter, NativeVQAdapter
-
-        return (
-            JanusVQAdapter(self.args)
-            if self.args.hf_format == "janus"
-            else NativeVQAdapter(self.args)
-        )
+        names = vq_tensor_names(self.args)
+        if self.args.hf_format == "janus":
+            return JanusVQAdapter(self.args, names)
+        return NativeVQAdapter(self.args, names)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """PyTorch's default conv init (layout-invariant), unit GroupNorms, unit-normal codes."""
@@ -451,6 +449,12 @@ def _weights_file(path: str) -> str:
     return os.path.join(path, WEIGHTS_FILE) if os.path.isdir(path) else path
 
 
+def vq_tensor_names(args: VQArgs) -> list[str]:
+    """The tensor names of a ``VQTokenizer`` with ``args`` (from a meta-device instance)."""
+    with torch.device("meta"):
+        return list(VQTokenizer(args).state_dict())
+
+
 def save_vq(vq: VQTokenizer, folder: str, extra: dict[str, str] | None = None) -> str:
     """Write the tokenizer as a safetensors folder: ``model.safetensors`` (names relative to the
     tokenizer, ``VQArgs`` in the metadata) and ``config.json``. Returns the weights file.
@@ -458,8 +462,6 @@ def save_vq(vq: VQTokenizer, folder: str, extra: dict[str, str] | None = None) -
     ``weights.sources = ["decoders.gen_image.vq=<folder>"]`` loads it through
     ``NativeVQAdapter``; :func:`load_vq` loads it without the trainer.
     """
-    from safetensors.torch import save_file
-
     os.makedirs(folder, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in vq.state_dict().items()}
     meta = {"format": FORMAT, "vq_args": vq.args.to_json(), **(extra or {})}
@@ -472,8 +474,6 @@ def save_vq(vq: VQTokenizer, folder: str, extra: dict[str, str] | None = None) -
 
 def read_vq_args(path: str) -> VQArgs:
     """The ``VQArgs`` stored by :func:`save_vq` (``path``: the folder or its weights file)."""
-    from safetensors import safe_open
-
     file = _weights_file(path)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no VQ weights at {file} (write them with scripts/train_vq.py)")
@@ -486,8 +486,6 @@ def read_vq_args(path: str) -> VQArgs:
 
 def load_vq(vq: VQTokenizer, path: str) -> None:
     """Load weights written by :func:`save_vq`, checking the shape and every tensor name."""
-    from safetensors.torch import load_file
-
     stored = read_vq_args(path)
     # Training and naming settings do not change the network.
     if replace(stored, commitment=vq.args.commitment, hf_format=vq.args.hf_format) != vq.args:

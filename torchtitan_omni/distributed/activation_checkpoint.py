@@ -8,7 +8,7 @@ follow ``omni.encoder_activation_checkpoint`` (``"none" | "full" | "op"``, the l
 per-op selective mode).
 
 A checkpointed unit gets :class:`Checkpointed` first in its class
-(``torchtitan_omni.distributed.wrapping.extend_class``), whose ``forward`` runs the unit's own
+(``torchtitan_omni.modules.wrapping.extend_class``), whose ``forward`` runs the unit's own
 through ``torch.utils.checkpoint.checkpoint`` (non-reentrant): parameter names, hence the
 layout-invariant init and checkpoints, stay the same with and without AC, and FSDP's hooks
 (which live in ``__call__``) stay outside the checkpointed region, so the recomputation neither
@@ -19,9 +19,13 @@ its hooks run inside FSDP's).
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-from torchtitan_omni.distributed.wrapping import extend_class
+from torchtitan_omni.modules.wrapping import extend_class
 
 _SAVE_OPS = {
     "mm", "addmm", "bmm", "baddbmm", "_grouped_mm",
@@ -32,8 +36,6 @@ _SAVE_OPS = {
 
 
 def _op_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     packet = getattr(op, "overloadpacket", None)
     if packet is not None and packet.__name__ in _SAVE_OPS:
         return CheckpointPolicy.MUST_SAVE
@@ -41,8 +43,6 @@ def _op_policy(ctx, op, *args, **kwargs):
 
 
 def _op_context():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     return create_selective_checkpoint_contexts(_op_policy)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from torchtitan_omni.distributed.wrapping import extend_class
+from torchtitan_omni.modules.wrapping import extend_class
 
 #: smaller saved tensors stay where they are (copy latency would outweigh the memory)
 MIN_BYTES = 1 << 20

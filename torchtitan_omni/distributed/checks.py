@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from torchtitan_omni.distributed.parallelize import matching_modules
+
 
 def ulysses_problem(
     n_heads: int, n_kv_heads: int, degree: int, where: str = "the model"
@@ -43,8 +45,6 @@ def expert_problem(num_experts: int, degree: int, where: str = "the model") -> s
 def plan_problem(model: nn.Module, ulysses_degree: int, expert_parallel_degree: int,
                  capacity_factor: float = 0.0) -> str | None:
     """The first problem of the model's declared plan at these degrees, or None."""
-    from torchtitan_omni.distributed.parallelize import matching_modules
-
     plan = getattr(model, "parallel_plan", None)
     if plan is None:
         return None

@@ -3,7 +3,7 @@
 ``components = ["model"]`` compiles every repeated block of every part (the plan's
 ``ac_units``: the LLM's layers, each encoder's blocks), one block at a time as TorchTitan
 does, after activation checkpointing and before FSDP (a :class:`Compiled` mixin, see
-``torchtitan_omni.distributed.wrapping``): the compiled region is the block's
+``torchtitan_omni.modules.wrapping``): the compiled region is the block's
 forward with its checkpoint (so selective per-op AC is traced too), while FSDP's all-gathers
 and reduce-scatters stay outside it. Blocks of one class share their graphs.
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_omni.compat import compiled_graph_count, raise_recompile_limit
-from torchtitan_omni.distributed.wrapping import extend_class
+from torchtitan_omni.modules.wrapping import extend_class
 from torchtitan_omni.modules.linear_cross_entropy import LinearHead, loss_and_logit_grad
 
 #: compiled code objects are shared by all blocks that run the same forward (one mixin's

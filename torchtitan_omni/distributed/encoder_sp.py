@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan_omni.distributed.comm import ProcessGroup, gather_rows
-from torchtitan_omni.distributed.wrapping import extend_class
+from torchtitan_omni.modules.wrapping import extend_class
 
 
 def item_rows(media: dict[str, torch.Tensor]) -> list[int]:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import Shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.tools.logging import logger
 
+from torchtitan_omni.data.packing import BatchPlan
 from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
 from torchtitan_omni.distributed.activation_offload import offload_activations
 from torchtitan_omni.distributed.compile import compile_loss_heads, compile_units
@@ -263,8 +264,6 @@ def capacity_tokens(job_config: JobConfig, sp: int) -> int:
     """Tokens of one rank's micro-batch that expert capacity is sized for: the most a batch
     holds (``BatchPlan.max_tokens``) over the Ulysses degree. A config value, so every rank of
     an expert-parallel group agrees on the slot sizes without communicating."""
-    from torchtitan_omni.data.packing import BatchPlan
-
     t, d = job_config.training, job_config.data
     plan = BatchPlan(seq_len=t.seq_len, rows=t.local_batch_size, token_budget=d.token_budget,
                      packing=d.packing, fixed_length=d.pad_to_fixed_length)

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_omni.encoders.blocks import EncoderBlock, init_layer_norm, packed_meta, run_blocks
+from torchtitan_omni.encoders.hf import Qwen2AudioAdapter, WhisperEncoderAdapter
 from torchtitan_omni.encoders.projector import MLPProjector
 from torchtitan_omni.modules import init
 from torchtitan_omni.modules.attention import SelfAttention
@@ -193,8 +194,6 @@ class AudioEncoder(OmniEncoder):
         self.projector.init_weights(0.02)
 
     def hf_adapter(self):
-        from torchtitan_omni.encoders.hf import Qwen2AudioAdapter, WhisperEncoderAdapter
-
         if self.args.hf_format == "qwen2_audio":
             return Qwen2AudioAdapter(self.args, self.llm_dim)
         return WhisperEncoderAdapter(self.args, self.llm_dim)

@@ -22,10 +22,14 @@ Whisper's position table is not loaded: ours is the same fixed sinusoid, compute
 
 from __future__ import annotations
 
-from torchtitan_omni.encoders.audio import AudioArgs
-from torchtitan_omni.encoders.siglip import SiglipArgs
-from torchtitan_omni.encoders.vision import VisionArgs
+from typing import TYPE_CHECKING
+
 from torchtitan_omni.protocols.hf import HFAdapter, HFSource
+
+if TYPE_CHECKING:  # annotations only: the encoder modules import this one
+    from torchtitan_omni.encoders.audio import AudioArgs
+    from torchtitan_omni.encoders.siglip import SiglipArgs
+    from torchtitan_omni.encoders.vision import VisionArgs
 
 
 def one(key: str) -> HFSource:

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_omni.encoders.blocks import EncoderBlock, init_layer_norm, packed_meta, run_blocks
+from torchtitan_omni.encoders.hf import JanusVisionAdapter, SiglipVisionAdapter
 from torchtitan_omni.encoders.projector import MLPProjector
 from torchtitan_omni.modules import init
 from torchtitan_omni.modules.attention import SelfAttention
@@ -150,8 +151,6 @@ class SiglipEncoder(OmniEncoder):
         self.aligner.init_weights(0.02)
 
     def hf_adapter(self):
-        from torchtitan_omni.encoders.hf import JanusVisionAdapter, SiglipVisionAdapter
-
         if self.args.hf_format == "janus":
             return JanusVisionAdapter(self.args, self.llm_dim)
         return SiglipVisionAdapter(self.args, self.llm_dim)

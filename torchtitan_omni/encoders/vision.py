@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torchtitan_omni.encoders.blocks import (
     EncoderBlock, FusedQKVAttention, QuickGeluMLP, packed_meta, run_blocks,
 )
+from torchtitan_omni.encoders.hf import Qwen2VLVisionAdapter
 from torchtitan_omni.encoders.projector import PatchMerger
 from torchtitan_omni.modules import init
 from torchtitan_omni.modules.mlp import GeluMLP
@@ -249,8 +250,6 @@ class VisionEncoder(OmniEncoder):
         self.merger.init_weights(0.02)
 
     def hf_adapter(self):
-        from torchtitan_omni.encoders.hf import Qwen2VLVisionAdapter
-
         return Qwen2VLVisionAdapter(self.args, self.llm_dim)
 
     # ----------------------------------------------------------------- helpers

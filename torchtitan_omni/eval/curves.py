@@ -15,6 +15,8 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
 Curve = dict[int, float]
 TRAIN_PREFIX = "loss_metrics/"
 TRAIN_TOTAL = "loss_metrics/global_avg_loss"
@@ -32,8 +34,6 @@ def event_files(run_dir: str) -> list[str]:
 
 def read_scalars(run_dir: str) -> dict[str, Curve]:
     """Every scalar of the run's TensorBoard logs as ``{tag: {step: value}}``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     files = event_files(run_dir)
     if not files:
         raise FileNotFoundError(f"no TensorBoard event files under {run_dir} (was the run "

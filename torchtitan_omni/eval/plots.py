@@ -18,11 +18,11 @@ from torchtitan_omni.eval.curves import (
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415  (the optional [eval] extra)
     except ImportError:
         raise ImportError("plotting needs matplotlib: pip install -e '.[eval]'") from None
     matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415  (after choosing the Agg backend)
 
     return plt
 

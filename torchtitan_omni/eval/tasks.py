@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from PIL import Image
 import torch
 
 from torchtitan_omni.components.inputs import model_inputs
@@ -185,8 +186,6 @@ def sample_grid(generator, path: str, captions: Sequence[str] = FIXED_CAPTIONS,
                 cfg_scale: float = 5.0, temperature: float = 1.0, top_k: int = 0,
                 seed: int = 0, columns: int = 4) -> str:
     """One image per caption (seeded sampling with guidance) written as a PNG grid."""
-    from PIL import Image
-
     rng = torch.Generator(device=generator.device).manual_seed(seed)
     images = torch.cat([generator.images(c, num_images=1, cfg_scale=cfg_scale,
                                          temperature=temperature, top_k=top_k, generator=rng)

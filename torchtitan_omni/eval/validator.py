@@ -33,6 +33,8 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_omni.components.inputs import model_inputs
 from torchtitan_omni.errors import ConfigError
+from torchtitan_omni.data.default_dataset import DEFAULT_NAME
+from torchtitan_omni.data.loader import build_omni_dataloader, resolved_loader_options
 from torchtitan_omni.distributed.sequence import shard_sequence
 from torchtitan_omni.distributed.utils import all_reduce
 from torchtitan_omni.eval.mix import document_mix, mix_name
@@ -48,8 +50,6 @@ HELD_OUT = "held_out"
 
 def validation_dataset(job_config) -> tuple[str, str | None]:
     """``(dataset, dataset_path)`` the validator reads (see ``config.job_config.Validation``)."""
-    from torchtitan_omni.data.default_dataset import DEFAULT_NAME
-
     v, t = job_config.validation, job_config.training
     name = t.dataset if v.dataset in (TORCHTITAN_DEFAULT_DATASET, "") else v.dataset
     if not v.dataset_path:
@@ -65,8 +65,6 @@ def validation_problem(job_config, ulysses_degree: int = 1, check_data: bool = T
     """The first impossible ``[validation]`` value as one line, or None (also fit for the
     start-up config check). ``check_data``: also that the validation dataset exists (for
     specs that read data through the omni loader)."""
-    from torchtitan_omni.data.default_dataset import DEFAULT_NAME
-
     v = job_config.validation
     if not v.enable:
         return None
@@ -266,7 +264,6 @@ def build_omni_validator(
     ``build_dataloader_fn`` (default: the omni loader) is called with ``split``, ``infinite``,
     ``seq_len`` and ``local_batch_size`` keywords."""
     del pp_schedule, pp_has_first_stage, pp_has_last_stage, kwargs  # no pipeline parallelism
-    from torchtitan_omni.data.loader import build_omni_dataloader, resolved_loader_options
 
     if metrics_processor is None:
         raise ValueError("the omni validator needs the trainer's metrics processor")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+from torchtitan_omni.foundations.hf_adapters import Llama3HFAdapter
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.modules.mlp import SwiGLU
 from torchtitan_omni.modules.rope import RopeScaling, RotaryEmbedding
@@ -58,6 +59,4 @@ class Llama3(DecoderLM):
         super().__init__(args, lambda i, rope: Llama3Block(i, args, rope), args.rope_scaling)
 
     def hf_adapter(self):
-        from torchtitan_omni.foundations.hf_adapters import Llama3HFAdapter
-
         return Llama3HFAdapter(self.args)

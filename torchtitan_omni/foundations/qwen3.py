@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtitan_omni.foundations.decoder import DecoderLM, DecoderLMArgs, PreNormBlock
+from torchtitan_omni.foundations.hf_adapters import Qwen3HFAdapter
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.modules.mlp import SwiGLU
 from torchtitan_omni.modules.rope import RotaryEmbedding
@@ -59,6 +60,4 @@ class Qwen3(DecoderLM):
         super().__init__(args, lambda i, rope: Qwen3Block(i, args, rope))
 
     def hf_adapter(self):
-        from torchtitan_omni.foundations.hf_adapters import Qwen3HFAdapter
-
         return Qwen3HFAdapter(self.args)

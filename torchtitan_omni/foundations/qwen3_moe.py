@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtitan_omni.foundations.hf_adapters import Qwen3MoeHFAdapter
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.modules.moe import MoE, RoutingStats, load_balancing_loss
 from torchtitan_omni.modules.rope import RotaryEmbedding
@@ -112,6 +113,4 @@ class Qwen3Moe(DecoderLM):
         return torch.stack([torch.stack([s.routed, s.dropped]) for s in self.routing], dim=1)
 
     def hf_adapter(self):
-        from torchtitan_omni.foundations.hf_adapters import Qwen3MoeHFAdapter
-
         return Qwen3MoeHFAdapter(self.args)

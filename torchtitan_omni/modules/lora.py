@@ -5,7 +5,7 @@ like ``nn.Linear``'s weights (uniform in +-1/sqrt(in)) and ``B`` ``[out, r]`` ze
 initialization the model is exactly its base model.
 
 :func:`add_lora` puts a mixin first in the module's class
-(``torchtitan_omni.distributed.wrapping.extend_class``, as activation checkpointing does) and
+(``torchtitan_omni.modules.wrapping.extend_class``, as activation checkpointing does) and
 registers the adapters as parameters of the module itself. Therefore
 
 - the base weights keep their names (checkpoints and Hugging Face maps are unchanged) and are
@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchtitan_omni.distributed.wrapping import extend_class
+from torchtitan_omni.modules.wrapping import extend_class
 from torchtitan_omni.modules import init
 from torchtitan_omni.modules.linear_cross_entropy import LinearHead
 from torchtitan_omni.modules.moe import ExpertGroups, GroupedExperts, _local, grouped_linear

@@ -18,11 +18,13 @@ from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
+from torchtitan_omni.data.default_dataset.manifest import MANIFEST, VERSION
+
+__all__ = ["DEFAULT_DATA_DIR", "DEFAULT_NAME", "MANIFEST", "VERSION", "default_data_dir",
+           "ensure_default_dataset", "is_built", "maybe_build_default"]
+
 DEFAULT_NAME = "omni_default"
 DEFAULT_DATA_DIR = "./data/omni_default"
-MANIFEST = "manifest.json"
-#: bumped when the builder's output changes, so stale folders are not mistaken for current
-VERSION = 1
 
 
 def default_data_dir(job_config) -> str:
@@ -72,7 +74,11 @@ def ensure_default_dataset(data_dir: str | os.PathLike = DEFAULT_DATA_DIR,
     data_dir = Path(data_dir)
     with _file_lock(data_dir.parent / f".{data_dir.name}.lock"):
         if not is_built(data_dir):
-            from torchtitan_omni.data.default_dataset.build import build_default_dataset
+            # here, not at the top: the builder loads scikit-learn, scikit-image and espeak-ng
+            # (seconds), which a run on a built dataset never needs
+            from torchtitan_omni.data.default_dataset.build import (  # noqa: PLC0415
+                build_default_dataset,
+            )
 
             tmp = data_dir.parent / f".{data_dir.name}.tmp{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torchtitan_omni.data import special_tokens as st
 
 
 def train_tokenizer(texts: list[str], out_dir: str, vocab_size: int = 4096) -> None:
     """Train on ``texts`` and save ``tokenizer.json`` and ``tokenizer_config.json``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

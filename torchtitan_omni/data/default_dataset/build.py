@@ -25,8 +25,9 @@ from collections import defaultdict
 
 import numpy as np
 from PIL import Image
+import soundfile as sf
 
-from torchtitan_omni.data.default_dataset import MANIFEST, VERSION
+from torchtitan_omni.data.default_dataset.manifest import MANIFEST, VERSION
 from torchtitan_omni.data.default_dataset import clips, speech, text, vision
 from torchtitan_omni.data.default_dataset.bpe import train_tokenizer
 
@@ -173,8 +174,6 @@ def _video_rows(w: _Writer, seed: int) -> None:
 
 
 def _speech_rows(w: _Writer, seed: int) -> None:
-    import soundfile as sf
-
     speaker = speech.Speaker()
     for split in SPLITS:
         rng = random.Random(f"{seed}-speech-{split}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import av
 import numpy as np
 
 from torchtitan_omni.data.default_dataset.vision import COLORS, DigitBank, paste, render_digit
@@ -37,8 +38,6 @@ def moving_digit(rng: random.Random, bank: DigitBank, size: int = 32, frames: in
 
 def write_mp4(path: str, frames: np.ndarray, fps: int) -> None:
     """Encode RGB frames to an mp4 file (H.264 when available, else MPEG-4 part 2)."""
-    import av
-
     with av.open(path, "w") as container:
         try:
             stream = container.add_stream("libx264", rate=fps)

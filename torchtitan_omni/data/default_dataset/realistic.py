@@ -30,6 +30,8 @@ from contextlib import contextmanager
 
 import numpy as np
 from PIL import Image
+import soundfile as sf
+from sklearn.datasets import load_sample_images
 
 from torchtitan_omni.data.default_dataset import clips, vision
 
@@ -53,8 +55,6 @@ INDEX = "media.json"
 
 def real_photos() -> dict[str, np.ndarray]:
     """The real photos that ship with scikit-image and scikit-learn, RGB uint8."""
-    from sklearn.datasets import load_sample_images
-
     photos = {k: v for k, v in vision.photos().items() if k in PHOTO_NAMES}
     sample = load_sample_images()
     for path, img in zip(sample.filenames, sample.images):
@@ -138,8 +138,6 @@ def bouncing_digits(rng: random.Random, bank: vision.DigitBank, h: int, w: int,
 def speech_clip(rng: random.Random, clips_paths: list[str]) -> tuple[np.ndarray, int, float]:
     """Bundled speech clips joined by short silences, padded with silence to a length drawn
     from ``AUDIO_SECONDS``: (int16 waveform, rate, seconds)."""
-    import soundfile as sf
-
     seconds = rng.uniform(*AUDIO_SECONDS)
     pieces, length, rate = [], 0, None
     while True:
@@ -194,8 +192,6 @@ def _make(root: str, seed: int, kind: str, index: int) -> dict:
         return {"path": rel, "height": h, "width": w, "frames": n, "fps": SOURCE_FPS,
                 "seconds": n / SOURCE_FPS, "source": source}
     if kind == "audio":
-        import soundfile as sf
-
         wave, rate, seconds = speech_clip(rng, _SOURCES["speech"])
         rel = os.path.join("audio", f"{index:05d}.wav")
         sf.write(os.path.join(root, rel), wave, rate, subtype="PCM_16")

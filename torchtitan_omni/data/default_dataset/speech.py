@@ -20,7 +20,7 @@ class Speaker:
 
     def __init__(self) -> None:
         try:
-            import espeakng_loader
+            import espeakng_loader  # noqa: PLC0415  (its absence is reported with the fix)
         except ImportError as e:
             raise ImportError(
                 "the bundled dataset's speech needs the espeakng-loader wheel: "

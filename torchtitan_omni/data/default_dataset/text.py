@@ -4,12 +4,11 @@ every CPython (``pydoc_data.topics``), cut into paragraphs."""
 from __future__ import annotations
 
 import re
+from pydoc_data.topics import topics
 
 
 def paragraphs(max_chars: int = 700, min_chars: int = 80) -> list[str]:
     """Paragraphs of the pydoc topics, merged or cut to at most ``max_chars`` characters."""
-    from pydoc_data.topics import topics
-
     out = []
     for name in sorted(topics):
         for block in re.split(r"\n\s*\n", topics[name]):

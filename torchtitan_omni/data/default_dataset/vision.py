@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
+import skimage.data as data
+from sklearn.datasets import load_digits
 
 COLORS = {
     "red": (230, 40, 40),
@@ -58,8 +60,6 @@ class DigitBank:
 def digit_bank(split: str) -> DigitBank:
     """scikit-learn's digits: rows ``i % 10 < 8`` train, ``== 8`` val, ``== 9`` test (disjoint
     writers' samples, so held-out splits show unseen handwriting)."""
-    from sklearn.datasets import load_digits
-
     d = load_digits()
     idx = np.arange(len(d.target))
     keep = {"train": idx % 10 < 8, "val": idx % 10 == 8, "test": idx % 10 == 9}[split]
@@ -147,8 +147,6 @@ def questions(rng: random.Random, facts: list[tuple[int, str, str]]) -> list[tup
 
 def photos() -> dict[str, np.ndarray]:
     """The scikit-image photos that load offline, as RGB uint8 arrays."""
-    import skimage.data as data
-
     out = {}
     for name in PHOTOS:
         img = np.asarray(getattr(data, name)())
@@ -179,8 +177,6 @@ def random_crop(rng: random.Random, img: np.ndarray, size: int) -> np.ndarray:
 
 def faces() -> tuple[np.ndarray, np.ndarray]:
     """scikit-image's LFW subset: 200 25x25 gray images, the first 100 faces (label 1)."""
-    import skimage.data as data
-
     imgs = data.lfw_subset()
     labels = np.r_[np.ones(100, np.int64), np.zeros(len(imgs) - 100, np.int64)]
     return (imgs * 255).clip(0, 255).astype(np.uint8), labels

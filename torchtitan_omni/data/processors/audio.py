@@ -26,7 +26,7 @@ def resample(wave: np.ndarray, rate: int, target: int) -> np.ndarray:
     """Band-limited polyphase resampling of a mono waveform from ``rate`` to ``target`` Hz."""
     if rate == target:
         return wave.astype(np.float32, copy=False)
-    from scipy.signal import resample_poly
+    from scipy.signal import resample_poly  # noqa: PLC0415  (seconds to import; rarely needed)
 
     g = math.gcd(rate, target)
     return resample_poly(wave.astype(np.float64), target // g, rate // g).astype(np.float32)

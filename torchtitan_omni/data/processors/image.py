@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from torchtitan_omni.data.bad_samples import Source
 from torchtitan_omni.data.media import load_image
@@ -68,8 +69,6 @@ def patchify(
 
 def resize(image, height: int, width: int):
     """Bicubic resize of a PIL image (what Hugging Face's image processors do)."""
-    from PIL import Image
-
     if image.size == (width, height):
         return image
     return image.resize((width, height), Image.Resampling.BICUBIC)

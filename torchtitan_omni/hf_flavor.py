@@ -17,16 +17,18 @@ from __future__ import annotations
 import copy
 import os
 
+from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
+from torchtitan_omni.checkpoint.weights import parse_sources
+from torchtitan_omni.encoders.hf_config import encoder_args
 from torchtitan_omni.errors import ConfigError, HFConfigError
+from torchtitan_omni.foundations.hf_config import CONFIG_FILE, foundation_args, read_hf_config
 from torchtitan_omni.protocols.model import HF_FLAVOR
 
 
 def weight_sources(job_config) -> dict[str, str]:
     """``weights.sources`` as part -> path."""
-    from torchtitan_omni.checkpoint.weights import parse_sources
-
     return {s.part: s.path for s in parse_sources(list(job_config.weights.sources))}
 
 
@@ -37,10 +39,6 @@ def apply_parts_flavor(args, job_config) -> None:
     if not name or name == job_config.model.flavor:
         args.restore_own_parts()
         return
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    import torchtitan_omni.models  # noqa: F401  (registers the specs)
-
     flavors = get_train_spec(job_config.model.name).model_args
     if name == HF_FLAVOR or name not in flavors:
         choices = ", ".join(f for f in flavors if f != HF_FLAVOR)
@@ -53,9 +51,6 @@ def apply_parts_flavor(args, job_config) -> None:
 
 def apply_hf_flavor(args, job_config) -> None:
     """Foundation (and encoder) args from the Hugging Face folders of ``weights.sources``."""
-    from torchtitan_omni.encoders.hf_config import encoder_args
-    from torchtitan_omni.foundations.hf_config import CONFIG_FILE, foundation_args, read_hf_config
-
     sources = weight_sources(job_config)
     spec = job_config.model.name
     path = sources.get("llm")
