@@ -1,5 +1,6 @@
 """Generation end to end from a saved checkpoint (janus debug: image understanding + image
-generation), with KV-cached decoding checked against a no-cache recomputation."""
+generation), with KV-cached decoding checked against a no-cache recomputation (slow: a model is
+trained first), and the message when there is no checkpoint."""
 
 import os
 
@@ -54,6 +55,7 @@ def _image_path():
 
 
 @torch.no_grad()
+@pytest.mark.slow  # trains a model first
 def test_text_generation_matches_no_cache_reference(generator):
     gen = generator
     prompt, media = "What is in this picture? <image>", [_image_path()]
@@ -80,6 +82,7 @@ def test_text_generation_matches_no_cache_reference(generator):
 
 
 @torch.no_grad()
+@pytest.mark.slow  # trains a model first
 def test_image_generation_with_cfg_matches_no_cache_reference(generator):
     gen = generator
     decoder = gen.model.decoders[B.GEN_IMAGE]
@@ -107,6 +110,7 @@ def test_image_generation_with_cfg_matches_no_cache_reference(generator):
         cached = gen._forward(step, cache)[:, -1]
 
 
+@pytest.mark.slow  # trains a model first
 def test_cli_writes_png_and_text(trained, tmp_path):
     from torchtitan_omni.generate import main
 
@@ -122,3 +126,21 @@ def test_cli_writes_png_and_text(trained, tmp_path):
           "--generate.prompt", "Describe <image>", "--generate.media", _image_path(),
           "--generate.max_new_tokens", "5", "--generate.output", str(out)])
     assert (out / "answer.txt").exists()
+
+
+def test_without_a_checkpoint_the_error_says_where_it_looked_and_how_to_get_one(tmp_path):
+    from torchtitan_omni.config.manager import ConfigError, parse_config
+    from torchtitan_omni.generate import Generator, checkpoint_to_load
+
+    cfg = parse_config(str(REPO / CONFIG), ["--job.dump_folder", str(tmp_path)])
+    with pytest.raises(ConfigError) as e:
+        Generator.from_config(cfg)  # before anything is built
+    line = str(e.value)
+    assert "\n" not in line and str(tmp_path / cfg.checkpoint.folder) in line
+    assert "[checkpoint] enable = true" in line and "checkpoint.enable = false" in line
+    assert "--generate.checkpoint" in line
+    with pytest.raises(ConfigError, match=str(tmp_path / "elsewhere")):
+        checkpoint_to_load(cfg, str(tmp_path / "elsewhere"))
+    (tmp_path / cfg.checkpoint.folder / "saving-3.tmp").mkdir(parents=True)
+    # an interrupted save is a checkpoint folder: loading says what is wrong with it
+    assert checkpoint_to_load(cfg) == str(tmp_path / cfg.checkpoint.folder)

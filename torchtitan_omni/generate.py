@@ -1,7 +1,8 @@
 """Sampling from a trained omni model: text from a prompt with media, images from a caption.
 
     python -m torchtitan_omni.generate --job.config_file train_configs/janus_debug.toml \\
-        --generate.prompt "What digit is in <image>?" --generate.media digit.png
+        --generate.prompt "What digit is in <image>?" \\
+        --generate.media data/omni_default/media/digits/test/00000.png
     python -m torchtitan_omni.generate --job.config_file train_configs/janus_debug.toml \\
         --generate.mode image --generate.prompt "a handwritten seven" --generate.num_images 4
 
@@ -34,6 +35,7 @@ import torch
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import init_logger, logger
 
+from torchtitan_omni.checkpoint.completion import DCP_METADATA, scan
 from torchtitan_omni.checkpoint.weights import load_job_weights
 from torchtitan_omni.config.manager import ConfigError, parse_job_config_or_exit
 from torchtitan_omni.data.bad_samples import Source
@@ -68,6 +70,22 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int,
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def checkpoint_to_load(cfg: JobConfig, checkpoint: str | None = None) -> str:
+    """The checkpoint generation loads: ``checkpoint``, else ``generate.checkpoint``, else the
+    job's checkpoint folder (``<job.dump_folder>/<checkpoint.folder>``). A place without any
+    checkpoint is a :class:`ConfigError` that says where it looked and how to get one."""
+    path = checkpoint or cfg.generate.checkpoint or os.path.join(
+        cfg.job.dump_folder, cfg.checkpoint.folder)
+    complete, skipped = scan(path)
+    if complete or skipped or os.path.isfile(os.path.join(path, DCP_METADATA)):
+        return path  # loading reports a damaged or incomplete one itself
+    off = "" if cfg.checkpoint.enable else " (this config has checkpoint.enable = false)"
+    raise ConfigError(
+        f"generation needs a trained checkpoint and there is none in {path}: train the job "
+        f"with [checkpoint] enable = true in its TOML or --checkpoint.enable{off}, or point "
+        "--generate.checkpoint at a checkpoint folder")
+
+
 class Generator:
     """An omni model with its tokenizer and processors, ready to decode with a KV cache."""
 
@@ -80,6 +98,7 @@ class Generator:
     @classmethod
     def from_config(cls, cfg: JobConfig, checkpoint: str | None = None) -> "Generator":
         """Build the job's model on ``local_device()`` and load its newest checkpoint."""
+        path = checkpoint_to_load(cfg, checkpoint)
         device = local_device()
         tokenizer = build_omni_tokenizer(cfg)
         processors = build_processors(dict(job_model_args(cfg).processing()))
@@ -90,8 +109,6 @@ class Generator:
         model.init_seed = cfg.omni.init_seed
         with torch.no_grad():
             model.init_weights(buffer_device=device)
-        path = checkpoint or cfg.generate.checkpoint or os.path.join(
-            cfg.job.dump_folder, cfg.checkpoint.folder)
         load_job_weights(model, path, list(cfg.weights.sources))
         logger.info(f"Loaded {cfg.model.name} {cfg.model.flavor} from {path}")
         return cls(model, tokenizer, processors, device)
