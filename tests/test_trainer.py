@@ -1,6 +1,8 @@
 """The trainer end to end on synthetic documents: losses go down, determinism, and the
-one-line config errors."""
+one-line config errors (through ``run_train.sh`` and the trainer's entry point; the
+messages of the other bad values through the same start-up check, in this process)."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -39,6 +41,29 @@ def _check(args, ngpu=1):
     )
 
 
+@pytest.fixture
+def check_here(monkeypatch, capsys):
+    """``run_train.sh``'s start-up check (``torchtitan_omni.config.check``) run in this
+    process, for ``ngpu`` processes: the same code as :func:`_check` without a Python start-up
+    per case. Returns what :func:`_check` returns."""
+    from torchtitan_omni.config import check
+
+    def run(args, ngpu=1):
+        monkeypatch.setenv("WORLD_SIZE", str(ngpu))
+        # as in a fresh process: no handler an earlier test's init_logger() bound to a
+        # captured stream that is closed by now
+        monkeypatch.setattr(logging.getLogger(), "handlers", [])
+        capsys.readouterr()
+        try:
+            code = check.main(["--job.config_file", CONFIG, *args])
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+    return run
+
+
 def _one_error_line(proc):
     lines = [l for l in proc.stderr.splitlines() if "config error" in l]
     assert proc.returncode == 2, proc.stderr
@@ -74,17 +99,17 @@ def test_misspelled_cli_key(tmp_path):
     assert "stpes" in line and "steps" in line
 
 
-def test_misspelled_toml_key(tmp_path):
+def test_misspelled_toml_key(tmp_path, check_here):
     bad = tmp_path / "bad.toml"
     bad.write_text((REPO / CONFIG).read_text().replace("seq_len = 32", "seq_lenn = 32"))
-    line = _one_error_line(_check(["--job.config_file", str(bad)]))
+    line = _one_error_line(check_here(["--job.config_file", str(bad)]))
     assert "seq_lenn" in line and "[training]" in line and "seq_len" in line
 
 
-def test_wrong_type(tmp_path):
+def test_wrong_type(tmp_path, check_here):
     bad = tmp_path / "bad.toml"
     bad.write_text((REPO / CONFIG).read_text().replace("steps = 10", 'steps = "ten"'))
-    line = _one_error_line(_check(["--job.config_file", str(bad)]))
+    line = _one_error_line(check_here(["--job.config_file", str(bad)]))
     assert "training.steps" in line and "int" in line
 
 
@@ -92,8 +117,8 @@ def test_wrong_type(tmp_path):
     (["--training.steps", "abc"], ["--training.steps", "'abc'"]),
     (["--data.bad_sample_policy", "sometimes"], ["sometimes", "skip", "error"]),
 ])
-def test_bad_cli_value_is_one_line(args, words):
-    line = _one_error_line(_check(args))
+def test_bad_cli_value_is_one_line(args, words, check_here):
+    line = _one_error_line(check_here(args))
     assert all(w in line for w in words), line
 
 
@@ -117,33 +142,34 @@ def test_output_locations_line():
     assert "checkpoints off (--checkpoint.enable)" in line
 
 
-def test_missing_config_file():
-    line = _one_error_line(_check(["--job.config_file", "no/such/file.toml"]))
+def test_missing_config_file(check_here):
+    line = _one_error_line(check_here(["--job.config_file", "no/such/file.toml"]))
     assert "not found" in line and "no/such/file.toml" in line
 
 
-def test_impossible_layout():
-    line = _one_error_line(_check(["--parallelism.data_parallel_shard_degree", "2"], ngpu=3))
+def test_impossible_layout(check_here):
+    line = _one_error_line(check_here(["--parallelism.data_parallel_shard_degree", "2"], ngpu=3))
     assert "world size 3" in line
-    line = _one_error_line(_check(["--parallelism.ulysses_degree", "3"], ngpu=3))
+    line = _one_error_line(check_here(["--parallelism.ulysses_degree", "3"], ngpu=3))
     assert "ulysses" in line
 
 
-def test_negative_expert_capacity_factor():
-    line = _one_error_line(_check(["--parallelism.expert_capacity_factor", "-0.5"]))
+def test_negative_expert_capacity_factor(check_here):
+    line = _one_error_line(check_here(["--parallelism.expert_capacity_factor", "-0.5"]))
     assert "parallelism.expert_capacity_factor must be >= 0" in line and "-0.5" in line
 
 
-def test_llm_layers_out_of_range():
-    line = _one_error_line(_check(["--omni.llm_layers", "99"]))
+def test_llm_layers_out_of_range(check_here):
+    line = _one_error_line(check_here(["--omni.llm_layers", "99"]))
     assert "omni.llm_layers (99)" in line
 
 
-def test_missing_weights_source_and_bad_data_value():
-    line = _one_error_line(_check(["--weights.sources", "llm=/no/such/ckpt"]))
+def test_missing_weights_source_and_bad_data_value(check_here):
+    line = _one_error_line(check_here(["--weights.sources", "llm=/no/such/ckpt"]))
     assert "weights.sources" in line and "/no/such/ckpt" in line
 
 
+@pytest.mark.slow
 def test_runtime_input_error_is_one_line(tmp_path):
     # A weights folder that exists but holds no checkpoint passes the start-up check and
     # fails while loading: the rank reports one line, no Python traceback of ours.

@@ -26,6 +26,7 @@ FLAVORS = ("llama", "moe") if HAS_EP else ("llama",)
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
 
 
+@pytest.mark.slow  # checks the shared 4-rank and 2-rank runs (conftest: ~30 s on 2 cores)
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_dcp_hf_dcp_round_trip_is_exact(two_ranks, checkpoint_folders, flavor):
     before = {k: v for k, v in dcp_tensors(resolve(checkpoint_folders[flavor])).items()
@@ -41,6 +42,7 @@ def test_dcp_hf_dcp_round_trip_is_exact(two_ranks, checkpoint_folders, flavor):
     )
 
 
+@pytest.mark.slow  # checks the shared 4-rank and 2-rank runs (conftest: ~30 s on 2 cores)
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_exported_llm_loads_in_transformers_with_our_logits(two_ranks, checkpoint_folders, flavor):
     from transformers import AutoModelForCausalLM
@@ -56,6 +58,7 @@ def test_exported_llm_loads_in_transformers_with_our_logits(two_ranks, checkpoin
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # checks the shared 4-rank and 2-rank runs (conftest: ~30 s on 2 cores)
 def test_command_line_writes_sharded_cast_folders(two_ranks, checkpoint_folders, tmp_path):
     from safetensors.torch import load_file
 

@@ -122,6 +122,7 @@ def scenarios(tmp_path_factory):
             "folders": folders, **result}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_killed_saves_are_never_resumed(scenarios, mode):
     assert scenarios["codes"][mode] == -9, f"{mode}: exit {scenarios['codes'][mode]}\n" \
@@ -135,6 +136,7 @@ def test_killed_saves_are_never_resumed(scenarios, mode):
     assert not os.path.exists(os.path.join(scenarios["folders"][mode], "saving-2.tmp"))
 
 
+@pytest.mark.slow
 def test_truncated_and_unmarked_checkpoints_are_skipped(scenarios):
     saved1, loaded, logs, data, explicit = scenarios["damaged"]
     _same(saved1, loaded)
@@ -145,6 +147,7 @@ def test_truncated_and_unmarked_checkpoints_are_skipped(scenarios):
     assert explicit is not None and "checkpoint.load_step=3" in explicit and data in explicit
 
 
+@pytest.mark.slow
 def test_async_saves_are_published_and_only_published_ones_purged(scenarios):
     final, listing, loaded = scenarios["async"]
     assert listing == ["step-3", "step-4"], listing

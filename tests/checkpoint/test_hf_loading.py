@@ -33,6 +33,7 @@ def _layouts(four_ranks, two_ranks, flavor) -> dict[str, list[dict]]:
     return out
 
 
+@pytest.mark.slow  # checks the shared 4-rank and 2-rank runs (conftest: ~30 s on 2 cores)
 @pytest.mark.parametrize("flavor", ["llama", "moe"])
 def test_init_is_layout_invariant(flavor, four_ranks, two_ranks):
     """Same seed, same full weights on 1 rank and under every layout."""
@@ -59,6 +60,7 @@ def _check_loaded(name, results, hf, flavor, replicas=1):
                                msg=lambda m: f"{name}: logits differ from transformers: {m}")
 
 
+@pytest.mark.slow  # checks the shared 4-rank and 2-rank runs (conftest: ~30 s on 2 cores)
 @pytest.mark.parametrize("flavor", ["llama", "moe"])
 def test_hf_checkpoint_loads_under_every_layout(flavor, hf, four_ranks, two_ranks):
     """1 rank (this process) and every 2- and 4-rank layout: the checkpoint's exact tensors,

@@ -30,6 +30,7 @@ def _same(saved: dict, loaded: dict, what: str) -> None:
     assert loaded["cursor"] == saved["cursor"] == 8, what
 
 
+@pytest.mark.slow  # checks the shared 4-rank and 2-rank runs (conftest: ~30 s on 2 cores)
 @pytest.mark.parametrize("target", list(RELOADS))
 def test_checkpoint_reshards(four_ranks, two_ranks, target):
     world, flavor, overrides = RELOADS[target]

@@ -58,6 +58,7 @@ def run_a(tmp_path_factory):
     return folder, run, read_scalars(str(folder))
 
 
+@pytest.mark.slow
 def test_validation_at_freq_with_every_loss(light):
     _, run, scalars = light
     lines = [line for line in run.output.splitlines() if "validate step:" in line]
