@@ -171,4 +171,3 @@ def fit_vocabulary(args: OmniModelArgs, job_config: JobConfig) -> None:
     else:
         log_once(f"Tokenizer {folder}: added {n} tokens as ids {layout.base_size}.."
                  f"{layout.size - 1}, unused rows of the {rows}-row {what}")
-

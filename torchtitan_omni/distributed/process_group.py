@@ -4,7 +4,6 @@ local process when not launched by torchrun."""
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -13,15 +12,18 @@ from torchtitan_omni.platform import is_cpu, local_device
 
 
 def init_process_group() -> None:
-    """Join torchrun's process group, or start a one-process group on a free local port."""
+    """Join torchrun's process group, or start a one-process group."""
     if dist.is_initialized():
         return
-    if "WORLD_SIZE" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
-                          WORLD_SIZE="1", LOCAL_RANK="0")
+    launched = "WORLD_SIZE" in os.environ
+    if not launched:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if not is_cpu():
         torch.cuda.set_device(local_device())
-    dist.init_process_group("gloo" if is_cpu() else "cuda:nccl,cpu:gloo")
+    backend = "gloo" if is_cpu() else "cuda:nccl,cpu:gloo"
+    if launched:
+        dist.init_process_group(backend)
+    else:
+        # one local process: an in-memory store, so no free port has to be picked (another
+        # process could take it between the pick and the bind)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
