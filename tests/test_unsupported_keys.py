@@ -275,3 +275,14 @@ def test_cpu_offload_needs_a_gpu_job_with_fsdp(monkeypatch):
     assert "2 or more ranks" in _refused_line("--training.enable_cpu_offload")
     monkeypatch.setenv("WORLD_SIZE", "2")
     _parse("--training.enable_cpu_offload")
+
+
+def test_per_op_ac_with_expert_parallel_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    moe = str(REPO / "train_configs" / "qwen3_moe_omni_debug.toml")
+    line = _refused_line("--job.config_file", moe, "--parallelism.expert_parallel_degree", "2",
+                         "--activation_checkpoint.mode", "selective",
+                         "--activation_checkpoint.selective_ac_option", "op")
+    assert "selective_ac_option" in line and "expert_parallel_degree" in line
+    _parse("--job.config_file", moe, "--parallelism.expert_parallel_degree", "2",
+           "--activation_checkpoint.mode", "full")

@@ -18,6 +18,7 @@ Run as ``python -m torchtitan_omni.train --job.config_file CONFIG [--section.key
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -235,6 +236,18 @@ def output_locations(job_config: JobConfig) -> str:
     return f"Outputs of this job: TensorBoard {tb}; checkpoints {ckpt}; log on the console"
 
 
+def _record_for_launcher(line: str) -> None:
+    """Give torchrun's failure summary this rank's one-line error (its output may be filtered
+    out by LOG_RANK): the error file torchelastic names in ``TORCHELASTIC_ERROR_FILE``, in its
+    documented format, with the line in place of a traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+    with open(path, "w") as f:
+        json.dump({"message": {"message": line, "extraInfo": info}}, f)
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m torchtitan_omni.train``."""
@@ -249,9 +262,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             trainer.train()
     except (OmniInputError, FileNotFoundError) as e:
-        # Bad input (data, checkpoint, weights): the message names it; no traceback.
+        # Bad input (data, checkpoint, weights): the message names it; no traceback. The
+        # launcher's failure summary names it too (a rank whose output is not shown may be the
+        # one that failed).
         logger.error(f"torchtitan-omni: {e}")
         print(f"torchtitan-omni: error: {e}", file=sys.stderr)
+        _record_for_launcher(f"torchtitan-omni: error: {e}")
         sys.exit(1)
     finally:
         if trainer is not None:

@@ -97,8 +97,12 @@ def _ensure(args):
     data_dir, tok_dir = args
     from torchtitan_omni.data.default_dataset import build
 
-    build.build_default_dataset = _fake_build
-    dd.ensure_default_dataset(data_dir, tok_dir)
+    # restored after: this also runs in the pytest process, whose later tests build for real
+    real, build.build_default_dataset = build.build_default_dataset, _fake_build
+    try:
+        dd.ensure_default_dataset(data_dir, tok_dir)
+    finally:
+        build.build_default_dataset = real
     return os.path.isfile(os.path.join(tok_dir, "tokenizer.json"))
 
 

@@ -125,7 +125,14 @@ def ac_mode(value, cfg, ctx) -> str | None:
 
 def selective_ac_option(value, cfg, ctx) -> str | None:
     """'op' or every N-th block, when selective AC is on."""
-    if cfg.activation_checkpoint.mode != "selective" or value == "op":
+    if cfg.activation_checkpoint.mode != "selective":
+        return None
+    if value == "op":
+        if cfg.parallelism.expert_parallel_degree > 1:
+            # the experts' own FSDP unit gathers inside the checkpointed block; per-op AC's
+            # replay cannot run those hooks again
+            return ("'op' cannot be combined with parallelism.expert_parallel_degree > 1; use "
+                    "activation_checkpoint.mode full or selective_ac_option N (every N-th block)")
         return None
     try:
         every = int(value)

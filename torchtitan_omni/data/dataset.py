@@ -31,6 +31,7 @@ from torchtitan_omni.data.resplit import (
     excluded, full_key, plan_resplit, runs_decode, shard_length, share,
 )
 from torchtitan_omni.data.sample import parse_row
+from torchtitan_omni.errors import DataFileError
 from torchtitan_omni.data.source import RowSource, ShardSpec
 
 #: hard cap on buffered documents whatever the token target (bounds memory)
@@ -169,12 +170,12 @@ class OmniDataset(IterableDataset, Stateful):
             if not self.infinite:
                 return
             if whole_epoch and produced == 0:
-                raise ValueError(
+                raise DataFileError(
                     f"shard {shard.index} of {shard.count} of {', '.join(self.source.files)} is "
                     "empty: the split has fewer rows than data-parallel ranks x loader workers"
                 )
             if whole_epoch and self._epoch_docs == 0:
-                raise ValueError(
+                raise DataFileError(
                     f"no usable sample in a whole epoch of shard {shard.index} of "
                     f"{', '.join(self.source.files)}; skipped: {self.handler.stats()}"
                 )

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Benchmarks for one call on a GPU host without network (docs/performance.md says which plans
+# answer which question). From the repository root, with the missing wheels in .whl/
+# (bash ../shared/gpu-host/wheels.sh av==18.1.0 espeakng-loader==0.2.4 soundfile==0.14.0
+# torchao==0.18.0):
+#
+#   bash scripts/gpu_benchmarks.sh attention omni_1gpu:no-compile omni_1gpu:compile-only
+#
+# Each argument is "attention" (scripts/bench_attention.py) or a bench_scaling.py plan, with
+# ":no-compile" or ":compile-only" to split a plan over calls. Tables and JSON go to $OUT (or
+# bench_out/), the training logs into one archive there; the tables are printed last.
+set -uo pipefail
+out=${OUT:-bench_out}
+mkdir -p "$out"
+if ! python3 -c "import torchtitan" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    || { echo "gpu_benchmarks: the carried wheels did not install" >&2; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+deadline=${DEADLINE:-540}
+logs=$(mktemp -d)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
+start=$SECONDS
+for arg in "$@"; do
+  plan=${arg%%:*}
+  mode=${arg#*:}
+  [ "$mode" = "$arg" ] && mode=""
+  left=$((deadline - (SECONDS - start)))
+  if [ "$left" -le 30 ]; then
+    echo "gpu_benchmarks: no time left for $arg" | tee -a "$out/skipped.txt"
+    continue
+  fi
+  if [ "$plan" = "attention" ]; then
+    timeout "$left" python3 scripts/bench_attention.py --out "$out/attention.json" \
+      > "$out/attention.md" 2>&1 || echo "attention: exit $?" >> "$out/attention.md"
+    continue
+  fi
+  flags=()
+  [ -n "$mode" ] && flags=("--$mode")
+  name=$plan${mode:+_$mode}
+  python3 scripts/bench_scaling.py --plan "$plan" "${flags[@]}" --out "$out/$name.md" \
+    --logs "$logs/$name" --deadline "$left" > "$logs/$name.runner.log" 2>&1
+done
+tar -czf "$out/logs.tar.gz" -C "$logs" . 2>/dev/null
+for table in "$out"/*.md; do
+  echo "== $table"
+  grep -v '^- `' "$table" | head -40
+done
