@@ -53,6 +53,16 @@ def test_merge_keeps_fields_of_both_and_the_extension_wins():
     assert [f.name for f in fields(Base)] == ["inner", "x"]  # the inputs are left as they were
 
 
+@pytest.mark.parametrize("form", ["pair", "equals"])
+def test_the_last_config_file_named_wins(form):
+    # TorchTitan's own parse reads the first one named: it must see only the last
+    moe = str(REPO / "train_configs" / "qwen3_moe_omni_debug.toml")
+    again = ["--job.config_file", moe] if form == "pair" else [f"--job.config-file={moe}"]
+    cfg = parse_config(JANUS, [*again, "--training.steps", "30"])
+    assert cfg.model.name == "qwen3_moe_omni" and cfg.training.steps == 30
+    assert cfg.job.config_file == moe
+
+
 def test_a_users_extension_goes_on_top_of_ours():
     cfg = parse_config(JANUS, ["--job.custom_config_module", "tests.fixtures.extra_config",
                                "--extra.level", "5", "--omni.note", "hi"])

@@ -89,6 +89,9 @@ class OmniConfigManager(ConfigManager):
     def parse_args(self, args: list[str] | None = None) -> JobConfig:
         """Parse ``args`` (default ``sys.argv[1:]``) into a validated ``JobConfig``."""
         args = list(sys.argv[1:] if args is None else args)
+        # TorchTitan's parse reads the first of these keys, tyro the last: only the last is kept
+        args = last_only(args, _CONFIG_FILE_KEYS)
+        args = last_only(args, _CUSTOM_MODULE_KEYS)
         self.config_path = config_path(args)
         toml_values = load_toml(self.config_path)
         config_cls = omni_config_class(custom_config_module(args, toml_values))
@@ -144,12 +147,28 @@ class OmniConfigManager(ConfigManager):
         return config
 
 
+_CONFIG_FILE_KEYS = ("--job.config_file", "--job.config-file")
+_CUSTOM_MODULE_KEYS = ("--job.custom_config_module", "--job.custom-config-module")
+
+
+def last_only(args: list[str], keys: tuple[str, ...]) -> list[str]:
+    """``args`` without the earlier occurrences of one key (spelled as any of ``keys``, with
+    its value as ``=value`` or as the next argument)."""
+    spans = []
+    for i, arg in enumerate(args):
+        key, eq, _ = arg.partition("=")
+        if key in keys:
+            spans.append((i, i + 1 if eq or i + 1 == len(args) else i + 2))
+    drop = {j for start, end in spans[:-1] for j in range(start, end)}
+    return [arg for j, arg in enumerate(args) if j not in drop]
+
+
 def config_path(args: list[str]) -> str | None:
     """The config file named on the command line (the last one wins, as for any key)."""
     path = None
     for i, arg in enumerate(args):
         key, eq, value = arg.partition("=")
-        if key in ("--job.config_file", "--job.config-file"):
+        if key in _CONFIG_FILE_KEYS:
             if eq:
                 path = value
             elif i + 1 < len(args):
@@ -177,7 +196,7 @@ def custom_config_module(args: list[str], toml_values: dict[str, Any] | None) ->
     """``job.custom_config_module`` as TorchTitan finds it: the command line, else the TOML."""
     for i, arg in enumerate(args):
         key, eq, value = arg.partition("=")
-        if key in ("--job.custom_config_module", "--job.custom-config-module"):
+        if key in _CUSTOM_MODULE_KEYS:
             return value if eq else (args[i + 1] if i + 1 < len(args) else None)
     job = (toml_values or {}).get("job", {})
     return job.get("custom_config_module") if isinstance(job, dict) else None
