@@ -142,6 +142,21 @@ def test_output_locations_line():
     assert "checkpoints off (--checkpoint.enable)" in line
 
 
+def test_input_error_line_reaches_the_launcher_summary(tmp_path, monkeypatch):
+    # torchrun's failure summary reads the rank's error file: it must show our one line
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from torchtitan_omni.train import _record_for_launcher
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    line = "torchtitan-omni: error: shard 1 of 2 of train.jsonl is empty"
+    _record_for_launcher(line)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    summary = ChildFailedError("torchtitan_omni.train", {0: failure}).format_msg()
+    assert f"traceback : {line}" in summary, summary
+
+
 def test_missing_config_file(check_here):
     line = _one_error_line(check_here(["--job.config_file", "no/such/file.toml"]))
     assert "not found" in line and "no/such/file.toml" in line

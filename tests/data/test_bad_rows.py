@@ -135,6 +135,15 @@ def test_the_run_goes_on_past_bad_rows_and_resumes(tok, tmp_path):
     assert resumed.stats()["invalid_json"] >= 4  # counters are part of the state
 
 
+def test_a_shard_without_usable_rows_stops_with_one_line(tok, tmp_path):
+    """Skipping could go on for ever: an epoch of bad rows only is an input error (one line)."""
+    root = str(tmp_path / "ds")
+    path = _write(root, "train.jsonl", [line for line, reason, _ in LINES if reason])
+    with pytest.raises(DataFileError, match="no usable sample in a whole epoch") as err:
+        next(iter(_loader(root, tok, infinite=True)))
+    assert path in str(err.value) and "\n" not in str(err.value)
+
+
 def test_error_policy_in_a_loader_worker_is_one_line(tok, tmp_path):
     """torch re-raises a worker's exception with the worker's traceback as its message; the
     loader gives back the one-line message."""

@@ -31,8 +31,8 @@ from torchtitan_omni.data.resplit import (
     excluded, full_key, plan_resplit, runs_decode, shard_length, share,
 )
 from torchtitan_omni.data.sample import parse_row
-from torchtitan_omni.errors import DataFileError
 from torchtitan_omni.data.source import RowSource, ShardSpec
+from torchtitan_omni.errors import DataFileError
 
 #: hard cap on buffered documents whatever the token target (bounds memory)
 MAX_BUFFER = 4096
