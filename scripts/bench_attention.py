@@ -259,6 +259,9 @@ def _grads(fn: Attn, q, k, v, real: int, grad: torch.Tensor) -> list[torch.Tenso
 
 
 def run_case(case: dict, device: str, dtype, iters: int, warmup: int) -> list[dict]:
+    # each case compiles FlexAttention afresh: eight cases' shapes and grad modes otherwise hit
+    # dynamo's recompile limit, after which flex_attention runs unfused
+    torch.compiler.reset()
     g = torch.Generator(device=device).manual_seed(0)
     total = sum(case["docs"])
     q = torch.randn(total, case["hq"], case["d"], device=device, dtype=dtype, generator=g)
