@@ -124,3 +124,15 @@ def test_row_length_multiple_fixed_and_capped():
     ulysses = BatchPlan(seq_len=48, multiple=12)
     assert all(ulysses.row_length(n) % 12 == 0 for n in range(1, 49))
     assert BatchPlan(seq_len=36, fixed_length=True).row_length(3) == 36
+
+
+@pytest.mark.parametrize("multiple", [8, 12])
+def test_long_rows_round_to_few_lengths_with_little_padding(multiple):
+    plan = BatchPlan(seq_len=1 << 20, multiple=multiple)
+    lengths = {n: plan.row_length(n) for n in range(1, 40_000)}
+    for n, padded in lengths.items():
+        assert padded % multiple == 0 and n <= padded
+        assert padded - n < max(multiple, n / 32)  # short rows: the plain multiple
+    assert lengths[300] == -(-300 // multiple) * multiple
+    # 4K-8K rows: a few dozen lengths (each a cuDNN plan / compile shape), not one per 8 tokens
+    assert len({lengths[n] for n in range(4096, 8193)}) <= 40

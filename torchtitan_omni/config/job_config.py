@@ -172,7 +172,8 @@ class Data:
 
     pad_multiple: int = 8
     """Rows are padded to a multiple of lcm(pad_multiple, parallelism.ulysses_degree), capped
-    at training.seq_len (itself a multiple of the Ulysses degree)."""
+    at training.seq_len (itself a multiple of the Ulysses degree); long rows to that times a
+    power of two within 1/32 of their length, so few lengths occur (data/packing.py)."""
 
     split_long_text: bool = True
     """Plain-text rows longer than training.seq_len are cut into seq_len documents instead of
