@@ -37,6 +37,35 @@ def test_assignment_is_deterministic_and_keeps_balanced_items_home():
     assert assign_items([[], []]) == [[], []]
 
 
+def test_zoo_encoders_announce_their_output_rows():
+    """The owner of an item must know its embedding rows before it is encoded elsewhere."""
+    from tests.encoders import test_audio, test_siglip
+    from torchtitan_omni.encoders.siglip import SiglipEncoder
+
+    audio = test_audio.build()
+    lengths = torch.tensor([33, 20, 7, 1])
+    feats = torch.randn(4, test_audio.N_MELS, 33, dtype=torch.float64)
+    media = {"features": feats, "lengths": lengths}
+    assert audio.output_rows(media, "audio") == audio(media, "audio").shape[0]
+    siglip = SiglipEncoder(test_siglip.tiny_args(), test_siglip.LLM_DIM)
+    pixels = {"pixels": torch.randn(3, 3, 32, 32)}
+    with torch.no_grad():
+        assert siglip.output_rows(pixels, "image") == siglip(pixels, "image").shape[0]
+
+
+def test_encoder_without_output_rows_is_refused():
+    from torch import nn
+
+    from torchtitan_omni.distributed.boundary import install_balanced_encoders
+    from torchtitan_omni.protocols.modules import OmniEncoder
+
+    class Bare(OmniEncoder):
+        lm_encode = processing = dummy_media = init_weights = lambda self, *a: None
+
+    with pytest.raises(ValueError, match="needs encoders with output_rows; vision"):
+        install_balanced_encoders(nn.ModuleDict({"vision": Bare()}), group=None)
+
+
 # ----------------------------------------------------------------- boundary communicator
 def _toy_params():
     g = torch.Generator().manual_seed(0)
@@ -153,6 +182,27 @@ def test_tiny_model_losses_and_gradients_match_reference():
             assert out["loss_err"] < 1e-5, (rank, name, out["losses"], out["ref_losses"])
             assert not out["grad_problems"], (rank, name, out["grad_problems"][:5])
             assert out["ref_encoder_grad"], (rank, name)
+
+
+def _dp_sp_layout(rank, world):
+    from tests.distributed import common as C
+    from tests.distributed.test_parity import _checked, _layout_check
+
+    results = {}
+    mixed = lambda ndp: [C.make_batch(200, image=True, audio=False),
+                         C.make_batch(201, image=False, audio=True)][:ndp]
+    _checked(results, "dp2_sp2", lambda: _layout_check(
+        world, "balance", C.ModelSpec(), dict(dp_shard=2, sp=2),
+        dict(parallelism__encoder_sequence_parallel="balance"), mixed))
+    return results
+
+
+def test_tiny_model_dp2_sp2_matches_reference():
+    for rank, res in enumerate(run_distributed(_dp_sp_layout, 4, timeout=600)):
+        out = res["dp2_sp2"]
+        assert "error" not in out, (rank, out.get("error"))
+        assert out["loss_err"] < 1e-5, (rank, out["losses"], out["ref_losses"])
+        assert not out["grad_problems"], (rank, out["grad_problems"][:5])
 
 
 # ----------------------------------------------------------------- run_train.sh
