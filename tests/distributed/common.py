@@ -80,6 +80,9 @@ class TinyImageEncoder(OmniEncoder):
     def processing(self, modality):
         return ImageProcessing()
 
+    def output_rows(self, media, modality):
+        return int(media["grid_thw"].prod(-1).sum())
+
     def dummy_media(self, modality, device):
         return {"patches": torch.zeros(1, PATCH, device=device),
                 "grid_thw": torch.ones(1, 3, dtype=torch.long, device=device)}
@@ -113,6 +116,9 @@ class TinyAudioEncoder(OmniEncoder):
 
     def processing(self, modality):
         return AudioProcessing(n_mels=MELS, downsample=2)
+
+    def output_rows(self, media, modality):
+        return sum(math.ceil(int(n) / 2) for n in media["lengths"].tolist())
 
     def dummy_media(self, modality, device):
         return {"features": torch.zeros(1, MELS, 2, device=device),

@@ -32,11 +32,13 @@ class Parallelism:
     "fsdp" shards over dp_shard x ulysses like the LLM, "dp_shard" over data ranks only,
     "none" replicates them."""
 
-    encoder_sequence_parallel: Literal["replicate", "split"] = "replicate"
-    """How encoders run under Ulysses: "replicate" encodes every media item on every SP rank
-    (simple, SP x encoder compute); "split" encodes a share of the items on each SP rank and
-    all-gathers the embeddings (needs encoders that treat items independently). See
-    docs/parallelism.md."""
+    encoder_sequence_parallel: Literal["replicate", "split", "balance"] = "replicate"
+    """Which ranks encode which media items: "replicate" encodes every media item on every SP
+    rank (simple, SP x encoder compute); "split" encodes a share of the items on each SP rank
+    and all-gathers the embeddings (needs encoders that treat items independently); "balance"
+    spreads the items of all data-parallel and SP ranks over them by estimated cost (also
+    without Ulysses; two uneven all-to-alls per encoder pass; needs encoders with
+    output_rows). See docs/parallelism.md."""
 
     expert_capacity_factor: float = 0.0
     """MoE token dispatch. 0 (default): exact, no token dropped (under expert parallel an

@@ -53,25 +53,33 @@ def split_bounds(costs: list[int], parts: int) -> list[int]:
     return bounds
 
 
-def slice_items(media: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
-    """Items ``[start, end)`` of a modality's media (see the module docstring)."""
-    rows = item_rows(media)
+def key_rows(media: dict[str, torch.Tensor], rows: list[int] | None = None) -> dict[str, list[int]]:
+    """Leading rows of every tensor that each item owns: one of a per-item tensor, the item's
+    patches of a per-patch tensor (see the module docstring). ``rows``: :func:`item_rows`."""
+    rows = item_rows(media) if rows is None else rows
     n_items, n_rows = len(rows), sum(rows)
-    row_start, row_end = sum(rows[:start]), sum(rows[:end])
     out = {}
     for key, t in media.items():
         if t.dim() == 0:
-            raise ValueError(f"media tensor {key!r} is a scalar; cannot split it between SP ranks")
+            raise ValueError(f"media tensor {key!r} is a scalar; cannot split it between ranks")
         if t.shape[0] == n_items:
-            out[key] = t[start:end]
+            out[key] = [1] * n_items
         elif t.shape[0] == n_rows:
-            out[key] = t[row_start:row_end]
+            out[key] = list(rows)
         else:
             raise ValueError(
                 f"media tensor {key!r} has {t.shape[0]} rows, neither the {n_items} items nor "
-                f"their {n_rows} patches; cannot split it between SP ranks (use "
+                f"their {n_rows} patches; cannot split it between ranks (use "
                 "parallelism.encoder_sequence_parallel = \"replicate\")"
             )
+    return out
+
+
+def slice_items(media: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
+    """Items ``[start, end)`` of a modality's media (see the module docstring)."""
+    out = {}
+    for key, spans in key_rows(media).items():
+        out[key] = media[key][sum(spans[:start]):sum(spans[:end])]
     return out
 
 

@@ -6,7 +6,8 @@ Order (each step reads the spec's ``OmniParallelPlan``):
    ``torchtitan_omni.lora``: adapters become parameters of their modules, everything else
    but ``lora.train_modules`` is frozen);
 2. Ulysses runners on the plan's ``sequence_parallel_attention`` modules (sync or async), and
-   the encoders' SP mode (``parallelism.encoder_sequence_parallel``);
+   the encoders' SP mode (``parallelism.encoder_sequence_parallel``: "split" over the SP
+   ranks, "balance" over every data and SP rank, ``distributed/boundary.py``);
 3. expert parallel on the plan's ``experts`` modules (``ep`` mesh, all-to-all dispatcher), or
    the capacity-padded local dispatcher (``parallelism.expert_capacity_factor`` without EP);
 4. activation checkpointing of each part's ``ac_units``;
@@ -39,6 +40,7 @@ from torchtitan_omni.data.packing import BatchPlan
 from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
 from torchtitan_omni.distributed.activation_offload import offload_activations
 from torchtitan_omni.distributed.compile import compile_loss_heads, compile_units
+from torchtitan_omni.distributed.boundary import install_balanced_encoders
 from torchtitan_omni.distributed.encoder_sp import install_split_encoders
 from torchtitan_omni.distributed.expert_parallel import apply_expert_parallel
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
@@ -314,6 +316,14 @@ def parallelize_omni(
         if p.encoder_sequence_parallel == "split" and len(getattr(model, "encoders", ())):
             split = install_split_encoders(model.encoders, dims.get_mesh("sp").get_group())
             logger.info(f"Encoders split media items over SP ranks: {', '.join(split)}")
+
+    encoder_ranks = dims.dp_replicate * dims.dp_shard * dims.sp
+    if p.encoder_sequence_parallel == "balance" and len(getattr(model, "encoders", ())) \
+            and encoder_ranks > 1:
+        # every rank encodes (pp = tp = 1): the balancing group is the flattened loss mesh
+        sp_group = dims.get_mesh("sp").get_group() if dims.sp_enabled else None
+        names = install_balanced_encoders(model.encoders, dims.get_mesh("loss").get_group(), sp_group)
+        logger.info(f"Encoders balance media items over {encoder_ranks} ranks: {', '.join(names)}")
 
     expert_names = apply_expert_dispatch(model, plan, dims, job_config)
 

@@ -175,6 +175,10 @@ class AudioEncoder(OmniEncoder):
             raise ValueError(f"AudioEncoder serves {self.modalities}, not {modality!r}")
         return self.args.processing()
 
+    def output_rows(self, media: dict[str, torch.Tensor], modality: str) -> int:
+        # ceil(L / 2) frames after the strided conv, then pairs pooled: ceil of half again
+        return sum(((length + 1) // 2 + 1) // 2 for length in media["lengths"].tolist())
+
     def dummy_media(self, modality: str, device: torch.device) -> dict[str, torch.Tensor]:
         return {
             "features": torch.zeros(1, self.args.n_mels, DOWNSAMPLE, device=device),

@@ -137,6 +137,9 @@ class SiglipEncoder(OmniEncoder):
         return ImageProcessing(mode="fixed", patch_size=a.patch_size, image_size=a.image_size,
                                merge_size=1, mean=a.mean, std=a.std)
 
+    def output_rows(self, media: dict[str, torch.Tensor], modality: str) -> int:
+        return media["pixels"].shape[0] * self.args.num_patches
+
     def dummy_media(self, modality: str, device: torch.device) -> dict[str, torch.Tensor]:
         s = self.args.image_size
         return {"pixels": torch.zeros(1, self.args.in_channels, s, s, device=device)}

@@ -104,7 +104,8 @@ class OmniEncoder(nn.Module, ABC):
         """
 
     def output_rows(self, media: dict[str, torch.Tensor], modality: str) -> int:
-        """Rows ``lm_encode`` returns for ``media`` (needed when ``merge_modalities``)."""
+        """Rows ``lm_encode`` returns for ``media`` (needed when ``merge_modalities``, and by
+        ``parallelism.encoder_sequence_parallel = "balance"``)."""
         raise NotImplementedError(f"{type(self).__name__} does not merge modalities")
 
     @abstractmethod

@@ -1,0 +1,223 @@
+"""The boundary communicator: media items encoded on the least-loaded ranks of a group.
+
+Data-parallel ranks hold different batches, so a rank with many large images would encode
+them alone while the others wait for it at the encoders' FSDP collectives.
+:func:`balanced_encode` spreads the items of every rank of a group over the group:
+
+1. every rank publishes its items' costs (:func:`item_costs`), the rows each item owns in
+   every media tensor (``encoder_sp.key_rows``) and the embedding rows it will get back
+   (one small ``all_gather_object``, a host sync);
+2. every rank computes the same assignment (:func:`assign_items`);
+3. each item's input rows travel to their encoding rank (one uneven all-to-all per media
+   tensor, ``comm.all_to_all_v``), which encodes what it received in one call;
+4. each item's embedding rows travel back to their owner (one uneven all-to-all) and are put
+   back in the owner's item order.
+
+Steps 3 and 4 are ``all_to_all_v``, whose backward is the reverse exchange: row gradients go
+back to their encoding rank and input gradients (if any) to their owner. Every rank calls the
+encoder exactly once (a rank assigned no item encodes ``empty()``, the encoder's dummy item
+cut to zero rows), so FSDP's collectives match whatever the assignment.
+
+Per-item tensors whose trailing shape differs between ranks (Whisper features padded to the
+batch's longest clip) are zero-padded to the group's largest shape before they travel: the
+encoders mask frames past ``lengths``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchtitan.tools.logging import logger
+
+from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_v, gather_rows
+from torchtitan_omni.distributed.encoder_sp import item_rows, key_rows, slice_items, split_bounds
+from torchtitan_omni.distributed.wrapping import extend_class
+
+#: item rows at which the attention term of the cost equals the linear one. Per row, a block
+#: costs ~24 d^2 FLOPs in its linears and ~4 d n in attention over an n-row item: equal at
+#: n = 6 d, i.e. ~8K rows for a ViT ~1.3K wide. A rough constant: only ratios matter.
+ATTENTION_ROWS = 8192
+
+
+def cost_rows(media: dict[str, torch.Tensor]) -> list[int]:
+    """Rows each item feeds the encoder: its patches (``grid_thw``), its frames (``lengths``,
+    audio) or 1 (fixed-size items)."""
+    lengths = media.get("lengths")
+    if media.get("grid_thw") is None and lengths is not None:
+        return [int(x) for x in lengths.tolist()]
+    return item_rows(media)
+
+
+def item_costs(media: dict[str, torch.Tensor]) -> list[float]:
+    """Encoder cost of each item: ``rows + rows**2 / ATTENTION_ROWS`` (linears + attention)."""
+    return [r + r * r / ATTENTION_ROWS for r in cost_rows(media)]
+
+
+def assign_items(costs: list[list[float]]) -> list[list[int]]:
+    """Encoding rank of every item: ``costs[r][i]`` is item i of rank r; returns ``dest[r][i]``.
+
+    Greedy longest-processing-time: items by decreasing cost (ties: owner rank, then index),
+    each to the least-loaded rank (ties: lowest rank). An item stays on its owner when that
+    does not raise the peak load above what the greedy choice gives, so balanced batches
+    move nothing. Deterministic: every rank computes the same answer from the same costs.
+    """
+    world = len(costs)
+    load = [0.0] * world
+    dest = [[-1] * len(c) for c in costs]
+    order = sorted(((c, r, i) for r, cs in enumerate(costs) for i, c in enumerate(cs)),
+                   key=lambda x: (-x[0], x[1], x[2]))
+    for cost, owner, i in order:
+        least = min(range(world), key=lambda r: (load[r], r))
+        peak = max(max(load), load[least] + cost)
+        target = owner if load[owner] + cost <= peak else least
+        dest[owner][i] = target
+        load[target] += cost
+    return dest
+
+
+def loads(costs: list[list[float]], dest: list[list[int]] | None = None) -> list[float]:
+    """Per-rank cost: of its own items (``dest`` None), or of the items it encodes."""
+    out = [0.0] * len(costs)
+    for r, cs in enumerate(costs):
+        for i, c in enumerate(cs):
+            out[r if dest is None else dest[r][i]] += c
+    return out
+
+
+def imbalance(per_rank: list[float]) -> float:
+    """max / mean of per-rank costs (1 is perfect balance; 1 when nothing to encode)."""
+    mean = sum(per_rank) / len(per_rank)
+    return max(per_rank) / mean if mean > 0 else 1.0
+
+
+def _pad_to(t: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
+    # F.pad takes (left, right) pairs from the last dimension backwards.
+    pad = [p for have, want in zip(reversed(t.shape[1:]), reversed(tail)) for p in (0, want - have)]
+    return F.pad(t, pad) if any(pad) else t
+
+
+def balanced_encode(
+    media: dict[str, torch.Tensor],
+    encode: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    out_rows: list[int],
+    empty: Callable[[], torch.Tensor],
+    group: ProcessGroup,
+) -> tuple[torch.Tensor, tuple[float, float]]:
+    """Encode the group's items on balanced ranks; return this rank's embedding rows in its
+    item order, and the imbalance (max/mean cost) before and after balancing.
+
+    ``out_rows``: embedding rows of each of this rank's items. ``encode(media)``: the encoder
+    on the items this rank was assigned (keys as ``media``). ``empty()``: a zero-row output
+    that still involves every parameter (see the module docstring). Every rank of ``group``
+    must call this together (same keys; possibly no items).
+    """
+    rank, world = dist.get_rank(group), group.size()
+    spans = key_rows(media)
+    mine = {"costs": item_costs(media), "spans": spans, "out": list(out_rows),
+            "tails": {k: tuple(t.shape[1:]) for k, t in media.items()}}
+    if len(mine["out"]) != len(mine["costs"]):
+        raise ValueError(f"balanced_encode: {len(out_rows)} output row counts for "
+                         f"{len(mine['costs'])} items")
+    meta: list = [None] * world
+    dist.all_gather_object(meta, mine, group=group)
+    keys = sorted(media)
+    for r, m in enumerate(meta):
+        if sorted(m["spans"]) != keys:  # every rank sees the same metadata: all raise together
+            raise ValueError(f"balanced_encode: rank {r} has media {sorted(m['spans'])}, rank "
+                             f"{rank} has {keys}")
+    costs = [m["costs"] for m in meta]
+    dest = assign_items(costs)
+    stats = (imbalance(loads(costs)), imbalance(loads(costs, dest)))
+
+    # 3. inputs to their encoding ranks, grouped by destination (stable: item order kept)
+    order = sorted(range(len(dest[rank])), key=lambda i: dest[rank][i])
+    received = {}
+    for key in keys:
+        tail = tuple(max(m["tails"][key][d] for m in meta) for d in range(len(mine["tails"][key])))
+        pieces = _pad_to(media[key], tail).split(spans[key])
+        send = torch.cat([pieces[i] for i in order]) if order else _pad_to(media[key], tail)[:0]
+        in_splits = [sum(spans[key][i] for i in order if dest[rank][i] == d) for d in range(world)]
+        out_splits = [sum(n for n, e in zip(meta[s]["spans"][key], dest[s]) if e == rank)
+                      for s in range(world)]
+        received[key] = all_to_all_v(send, out_splits, in_splits, group)
+
+    # encode what arrived (items ordered by source rank, then by the source's item order)
+    from_rank = [[i for i, e in enumerate(dest[s]) if e == rank] for s in range(world)]
+    expected = sum(meta[s]["out"][i] for s in range(world) for i in from_rank[s])
+    rows = encode(received) if any(from_rank) else empty()
+    if rows.shape[0] != expected:
+        raise ValueError(f"balanced_encode: the encoder returned {rows.shape[0]} rows for items "
+                         f"announced as {expected}")
+
+    # 4. embeddings back to their owners, then back in the owner's item order
+    in_splits = [sum(meta[s]["out"][i] for i in from_rank[s]) for s in range(world)]
+    out_splits = [sum(out_rows[i] for i in order if dest[rank][i] == e) for e in range(world)]
+    back = all_to_all_v(rows, out_splits, in_splits, group)
+    if order == sorted(order):
+        return back, stats
+    starts, acc = {}, 0
+    for i in order:
+        starts[i], acc = acc, acc + out_rows[i]
+    index = [starts[i] + j for i in range(len(order)) for j in range(out_rows[i])]
+    return back.index_select(0, torch.tensor(index, dtype=torch.long, device=back.device)), stats
+
+
+class BalancedMediaEncoder(nn.Module):
+    """Mixin: the encoder's items are encoded over ``_omni_balance_group`` by
+    :func:`balanced_encode`. Under Ulysses (``_omni_sp_group``) the SP ranks hold the same
+    items: each owns a contiguous share (``encoder_sp.split_bounds``) and the shares' rows
+    are gathered on every SP rank afterwards, as in ``SplitMediaEncoder``."""
+
+    _omni_balance_group: ProcessGroup
+    _omni_sp_group: ProcessGroup | None
+    #: (before, after) imbalance of the last call, max/mean of per-rank cost
+    _omni_balance_stats: tuple[float, float] | None = None
+
+    def _omni_item_out_rows(self, media: dict[str, torch.Tensor], modality: str) -> list[int]:
+        return [self.output_rows(slice_items(media, i, i + 1), modality)
+                for i in range(len(item_rows(media)))]
+
+    def forward(self, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
+        base = super().forward
+        device = next(iter(media.values())).device
+        out_rows = self._omni_item_out_rows(media, modality)
+        sp = self._omni_sp_group
+        if sp is not None:
+            bounds = split_bounds(item_rows(media), sp.size())
+            sizes = [sum(out_rows[a:b]) for a, b in itertools.pairwise(bounds)]
+            r = dist.get_rank(sp)
+            media, out_rows = slice_items(media, bounds[r], bounds[r + 1]), out_rows[bounds[r]:bounds[r + 1]]
+
+        def empty() -> torch.Tensor:
+            # every parameter in the graph (zero gradients), no rows: FSDP's collectives match
+            return base(self.dummy_media(modality, device), modality)[:0]
+
+        rows, stats = balanced_encode(media, lambda m: base(m, modality), out_rows, empty,
+                                      self._omni_balance_group)
+        self._omni_balance_stats = stats
+        logger.debug(f"{type(self).__name__} {modality}: encoder cost max/mean "
+                     f"{stats[0]:.3f} -> {stats[1]:.3f} after balancing")
+        return gather_rows(rows, sizes, sp) if sp is not None else rows
+
+
+def install_balanced_encoders(encoders: nn.ModuleDict, group: ProcessGroup,
+                              sp_group: ProcessGroup | None = None) -> list[str]:
+    """Make each encoder balance its items over ``group`` (``sp_group``: the Ulysses ranks,
+    which hold the same items); returns their names. Refuses an encoder without
+    ``output_rows`` (the owner must know each item's embedding rows)."""
+    from torchtitan_omni.protocols.modules import OmniEncoder
+
+    for name, encoder in encoders.items():
+        if type(encoder).output_rows is OmniEncoder.output_rows:
+            raise ValueError(f"parallelism.encoder_sequence_parallel = \"balance\" needs encoders "
+                             f"with output_rows; {name} ({type(encoder).__name__}) has none")
+    for encoder in encoders.values():
+        extend_class(encoder, BalancedMediaEncoder, _omni_balance_group=group,
+                     _omni_sp_group=sp_group)
+    return list(encoders)
