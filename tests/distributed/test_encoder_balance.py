@@ -150,7 +150,8 @@ def _model_layouts(rank, world):
     from torchtitan_omni.distributed.boundary import BalancedMediaEncoder
 
     def installed(model, **_):
-        return {"balanced": all(isinstance(e, BalancedMediaEncoder) for e in model.encoders.values()),
+        encoders = model.encoders.values()
+        return {"balanced": all(isinstance(e, BalancedMediaEncoder) for e in encoders),
                 "stats": model.encoders["vision"]._omni_balance_stats}
 
     balance = dict(parallelism__encoder_sequence_parallel="balance")

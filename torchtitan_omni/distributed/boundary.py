@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,8 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_v, gather_rows
 from torchtitan_omni.distributed.encoder_sp import item_rows, key_rows, slice_items, split_bounds
-from torchtitan_omni.distributed.wrapping import extend_class
+from torchtitan_omni.modules.wrapping import extend_class
+from torchtitan_omni.protocols.modules import OmniEncoder
 
 #: item rows at which the attention term of the cost equals the linear one. Per row, a block
 #: costs ~24 d^2 FLOPs in its linears and ~4 d n in attention over an n-row item: equal at
@@ -119,12 +121,12 @@ def balanced_encode(
     """
     rank, world = dist.get_rank(group), group.size()
     spans = key_rows(media)
-    mine = {"costs": item_costs(media), "spans": spans, "out": list(out_rows),
+    mine: dict[str, Any] = {"costs": item_costs(media), "spans": spans, "out": list(out_rows),
             "tails": {k: tuple(t.shape[1:]) for k, t in media.items()}}
     if len(mine["out"]) != len(mine["costs"]):
         raise ValueError(f"balanced_encode: {len(out_rows)} output row counts for "
                          f"{len(mine['costs'])} items")
-    meta: list = [None] * world
+    meta: list[Any] = [None] * world
     dist.all_gather_object(meta, mine, group=group)
     keys = sorted(media)
     for r, m in enumerate(meta):
@@ -180,7 +182,8 @@ class BalancedMediaEncoder(nn.Module):
     _omni_balance_stats: tuple[float, float] | None = None
 
     def _omni_item_out_rows(self, media: dict[str, torch.Tensor], modality: str) -> list[int]:
-        return [self.output_rows(slice_items(media, i, i + 1), modality)
+        encoder = cast(OmniEncoder, self)  # the mixin only extends encoders
+        return [encoder.output_rows(slice_items(media, i, i + 1), modality)
                 for i in range(len(item_rows(media)))]
 
     def forward(self, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
@@ -192,11 +195,12 @@ class BalancedMediaEncoder(nn.Module):
             bounds = split_bounds(item_rows(media), sp.size())
             sizes = [sum(out_rows[a:b]) for a, b in itertools.pairwise(bounds)]
             r = dist.get_rank(sp)
-            media, out_rows = slice_items(media, bounds[r], bounds[r + 1]), out_rows[bounds[r]:bounds[r + 1]]
+            media = slice_items(media, bounds[r], bounds[r + 1])
+            out_rows = out_rows[bounds[r]:bounds[r + 1]]
 
         def empty() -> torch.Tensor:
             # every parameter in the graph (zero gradients), no rows: FSDP's collectives match
-            return base(self.dummy_media(modality, device), modality)[:0]
+            return base(cast(OmniEncoder, self).dummy_media(modality, device), modality)[:0]
 
         rows, stats = balanced_encode(media, lambda m: base(m, modality), out_rows, empty,
                                       self._omni_balance_group)
@@ -211,10 +215,8 @@ def install_balanced_encoders(encoders: nn.ModuleDict, group: ProcessGroup,
     """Make each encoder balance its items over ``group`` (``sp_group``: the Ulysses ranks,
     which hold the same items); returns their names. Refuses an encoder without
     ``output_rows`` (the owner must know each item's embedding rows)."""
-    from torchtitan_omni.protocols.modules import OmniEncoder
-
     for name, encoder in encoders.items():
-        if type(encoder).output_rows is OmniEncoder.output_rows:
+        if getattr(type(encoder), "output_rows", None) is OmniEncoder.output_rows:
             raise ValueError(f"parallelism.encoder_sequence_parallel = \"balance\" needs encoders "
                              f"with output_rows; {name} ({type(encoder).__name__}) has none")
     for encoder in encoders.values():

@@ -26,6 +26,8 @@ materializes only the local shards (``to_empty``) and runs the layout-invariant 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import (
@@ -322,7 +324,8 @@ def parallelize_omni(
             and encoder_ranks > 1:
         # every rank encodes (pp = tp = 1): the balancing group is the flattened loss mesh
         sp_group = dims.get_mesh("sp").get_group() if dims.sp_enabled else None
-        names = install_balanced_encoders(model.encoders, dims.get_mesh("loss").get_group(), sp_group)
+        encoders = cast(nn.ModuleDict, model.encoders)
+        names = install_balanced_encoders(encoders, dims.get_mesh("loss").get_group(), sp_group)
         logger.info(f"Encoders balance media items over {encoder_ranks} ranks: {', '.join(names)}")
 
     expert_names = apply_expert_dispatch(model, plan, dims, job_config)
