@@ -41,6 +41,7 @@ from torchtitan_omni.components.inputs import model_inputs
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS
 from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
 from torchtitan_omni.components.quantization import add_omni_float8_filters
+from torchtitan_omni.distributed.boundary import balance_metrics
 from torchtitan_omni.distributed.compile import compiled_graphs
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.sequence import shard_sequence
@@ -194,7 +195,8 @@ class OmniTrainer(Trainer):
             extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr,
                            **{f"targets/{n}": int(c) for n, c in global_counts.items()},
                            **self._skipped_samples(), **self._compile_stats(),
-                           **self._moe_stats()},
+                           **self._moe_stats(),
+                           **balance_metrics(getattr(self.model_parts[0], "encoders", {}))},
         )
 
     def _compile_stats(self) -> dict[str, int]:

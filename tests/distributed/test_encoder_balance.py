@@ -147,12 +147,13 @@ def test_boundary_forward_and_adjoint_match_local_encoding(world):
 def _model_layouts(rank, world):
     from tests.distributed import common as C
     from tests.distributed.test_parity import _checked, _layout_check
-    from torchtitan_omni.distributed.boundary import BalancedMediaEncoder
+    from torchtitan_omni.distributed.boundary import BalancedMediaEncoder, balance_metrics
 
     def installed(model, **_):
         encoders = model.encoders.values()
         return {"balanced": all(isinstance(e, BalancedMediaEncoder) for e in encoders),
-                "stats": model.encoders["vision"]._omni_balance_stats}
+                "stats": model.encoders["vision"]._omni_balance_stats,
+                "metrics": balance_metrics(model.encoders)}
 
     balance = dict(parallelism__encoder_sequence_parallel="balance")
     results = {}
@@ -176,6 +177,11 @@ def test_tiny_model_losses_and_gradients_match_reference():
     # the images-only rank hands work to the audio-only one
     before, after = results[0]["fsdp2_mixed"]["stats"]
     assert after < before, (before, after)
+    # what the trainer logs (TensorBoard): each encoder's last pass, the same on every rank
+    metrics = results[0]["fsdp2_mixed"]["metrics"]
+    assert metrics["encoders/vision/cost_max_over_mean_before"] == before
+    assert metrics["encoders/vision/cost_max_over_mean_after"] == after
+    assert metrics == results[1]["fsdp2_mixed"]["metrics"]
     for rank, res in enumerate(results):
         for name, out in res.items():
             assert "error" not in out, (rank, name, out.get("error"))

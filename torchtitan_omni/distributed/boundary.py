@@ -61,6 +61,12 @@ def item_costs(media: dict[str, torch.Tensor]) -> list[float]:
     return [r + r * r / ATTENTION_ROWS for r in cost_rows(media)]
 
 
+def host_index(media: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``media`` with its integer tensors (grids, lengths) copied to the host once: the per-item
+    bookkeeping then reads no device memory (one sync per tensor, not one per item)."""
+    return {k: v if v.is_floating_point() else v.cpu() for k, v in media.items()}
+
+
 def assign_items(costs: list[list[float]]) -> list[list[int]]:
     """Encoding rank of every item: ``costs[r][i]`` is item i of rank r; returns ``dest[r][i]``.
 
@@ -120,8 +126,9 @@ def balanced_encode(
     must call this together (same keys; possibly no items).
     """
     rank, world = dist.get_rank(group), group.size()
-    spans = key_rows(media)
-    mine: dict[str, Any] = {"costs": item_costs(media), "spans": spans, "out": list(out_rows),
+    index = host_index(media)
+    spans = key_rows(index)
+    mine: dict[str, Any] = {"costs": item_costs(index), "spans": spans, "out": list(out_rows),
             "tails": {k: tuple(t.shape[1:]) for k, t in media.items()}}
     if len(mine["out"]) != len(mine["costs"]):
         raise ValueError(f"balanced_encode: {len(out_rows)} output row counts for "
@@ -166,8 +173,9 @@ def balanced_encode(
     starts, acc = {}, 0
     for i in order:
         starts[i], acc = acc, acc + out_rows[i]
-    index = [starts[i] + j for i in range(len(order)) for j in range(out_rows[i])]
-    return back.index_select(0, torch.tensor(index, dtype=torch.long, device=back.device)), stats
+    rows_in_order = [starts[i] + j for i in range(len(order)) for j in range(out_rows[i])]
+    picks = torch.tensor(rows_in_order, dtype=torch.long, device=back.device)
+    return back.index_select(0, picks), stats
 
 
 class BalancedMediaEncoder(nn.Module):
@@ -181,18 +189,19 @@ class BalancedMediaEncoder(nn.Module):
     #: (before, after) imbalance of the last call, max/mean of per-rank cost
     _omni_balance_stats: tuple[float, float] | None = None
 
-    def _omni_item_out_rows(self, media: dict[str, torch.Tensor], modality: str) -> list[int]:
+    def _omni_item_out_rows(self, index: dict[str, torch.Tensor], modality: str) -> list[int]:
         encoder = cast(OmniEncoder, self)  # the mixin only extends encoders
-        return [encoder.output_rows(slice_items(media, i, i + 1), modality)
-                for i in range(len(item_rows(media)))]
+        return [encoder.output_rows(slice_items(index, i, i + 1), modality)
+                for i in range(len(item_rows(index)))]
 
     def forward(self, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
         base = super().forward
         device = next(iter(media.values())).device
-        out_rows = self._omni_item_out_rows(media, modality)
+        index = host_index(media)
+        out_rows = self._omni_item_out_rows(index, modality)
         sp = self._omni_sp_group
         if sp is not None:
-            bounds = split_bounds(item_rows(media), sp.size())
+            bounds = split_bounds(item_rows(index), sp.size())
             sizes = [sum(out_rows[a:b]) for a, b in itertools.pairwise(bounds)]
             r = dist.get_rank(sp)
             media = slice_items(media, bounds[r], bounds[r + 1])
@@ -208,6 +217,18 @@ class BalancedMediaEncoder(nn.Module):
         logger.debug(f"{type(self).__name__} {modality}: encoder cost max/mean "
                      f"{stats[0]:.3f} -> {stats[1]:.3f} after balancing")
         return gather_rows(rows, sizes, sp) if sp is not None else rows
+
+
+def balance_metrics(encoders: nn.ModuleDict | dict) -> dict[str, float]:
+    """``encoders/<name>/cost_max_over_mean_{before,after}``: the encoder cost imbalance over
+    the balancing group of each balanced encoder's last pass (the same on every rank)."""
+    out: dict[str, float] = {}
+    for name, encoder in encoders.items():
+        stats = getattr(encoder, "_omni_balance_stats", None)
+        if isinstance(encoder, BalancedMediaEncoder) and stats is not None:
+            out[f"encoders/{name}/cost_max_over_mean_before"] = stats[0]
+            out[f"encoders/{name}/cost_max_over_mean_after"] = stats[1]
+    return out
 
 
 def install_balanced_encoders(encoders: nn.ModuleDict, group: ProcessGroup,
