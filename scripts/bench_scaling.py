@@ -263,6 +263,24 @@ def moe_dispatch(ngpu: int) -> list[Point]:
     return points
 
 
+def hetero(ngpu: int) -> list[Point]:
+    """Encoder layouts (issue 13) on the full 8B, realistic rows: data parallel with encoders
+    per rank (default) vs items balanced over all ranks; at 32K with Ulysses over all GPUs,
+    encoders replicated on the SP ranks vs items split over them vs balanced."""
+    dp, balance = SEL, ("--parallelism.encoder_sequence_parallel", "balance")
+    sp = ("--parallelism.ulysses_degree", str(ngpu))
+    points = [
+        Point(f"omni_8B_8k_dp{ngpu}_realistic", LLAMA8B, ngpu, 8192, dp, workload="realistic"),
+        Point(f"omni_8B_8k_dp{ngpu}_realistic_balance", LLAMA8B, ngpu, 8192, dp + balance,
+              workload="realistic"),
+    ]
+    for mode in ("replicate", "split", "balance"):
+        layout = FULL + sp + ("--parallelism.encoder_sequence_parallel", mode)
+        points.append(Point(f"omni_8B_32k_sp{ngpu}_realistic_{mode}", LLAMA8B, ngpu, 32768,
+                            layout, steps=6, warmup=2, workload="realistic", estimate_s=120))
+    return points + [compiled(p) for p in points[:2]]
+
+
 def llama_8gpu() -> list[Point]:
     """The 8-GPU runs, for when nvidia-h200-x8 is lent."""
     points = [
@@ -314,6 +332,7 @@ def build_plans(llm_layers: int = 16) -> dict[str, list[Point]]:
     return {"omni_1gpu": omni_1gpu(llm_layers), "omni_2gpu": omni_2gpu(),
             "llama_4gpu": llama_4gpu(), "moe_4gpu": moe_4gpu(), "llama_8gpu": llama_8gpu(),
             "moe_8gpu": moe_8gpu(), "smoke_cpu": smoke_cpu(),
+            "hetero_2gpu": hetero(2), "hetero_4gpu": hetero(4),
             **{f"moe_dispatch_{n}gpu": moe_dispatch(n) for n in (1, 2, 4)}}
 
 

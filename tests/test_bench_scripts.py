@@ -176,6 +176,11 @@ def test_plans_and_the_compile_filters():
     sp2 = next(p for p in two if p.seq_len == 32768).command()
     assert sp2[sp2.index("--parallelism.ulysses_degree") + 1] == "2"
     assert "--parallelism.encoder_sequence_parallel" in sp2
+    hetero = bench.PLANS["hetero_2gpu"]
+    modes = [p.command()[p.command().index("--parallelism.encoder_sequence_parallel") + 1]
+             for p in hetero if "--parallelism.encoder_sequence_parallel" in p.command()]
+    assert sorted(modes) == ["balance", "balance", "balance", "replicate", "split"]
+    assert {p.workload for p in hetero} == {"realistic"} and {p.ngpu for p in hetero} == {2}
 
 
 def test_cut_llama3_flavors_of_stock_torchtitan():
