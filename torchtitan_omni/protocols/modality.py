@@ -66,7 +66,7 @@ class Modality:
     @property
     def tokens(self) -> tuple[str, str, str]:
         """The (start, pad, end) special token strings, e.g. ``<|image_start|>``."""
-        return tuple(f"<|{self.name}_{what}|>" for what in ("start", "pad", "end"))  # type: ignore[return-value]
+        return (f"<|{self.name}_start|>", f"<|{self.name}_pad|>", f"<|{self.name}_end|>")
 
 
 _REGISTRY: dict[str, Modality] = {}
