@@ -125,6 +125,16 @@ def test_registration_is_scoped_and_checked(imu):
     assert type(build_processors({"imu": ImuProcessing()})["imu"]) is ImuProcessor
 
 
+def test_a_replaced_builtin_comes_back_in_place():
+    names, audio = modality_names(), get_modality(B.AUDIO)
+    with registered(Modality(B.AUDIO, placeholder="<sound>"), replace=True):
+        assert st.placeholders()[B.AUDIO] == "<sound>" and modality_names() == names
+        assert parse_row({"text": "hear <sound>", "audio": "a.wav"}, None).media == {
+            B.AUDIO: ["a.wav"]}
+    assert get_modality(B.AUDIO) is audio and modality_names() == names
+    assert parse_row({"text": "hear <audio>", "audio": "a.wav"}, None).media
+
+
 def test_unregistered_after_the_fixture():
     assert "imu" not in modality_names()
     with pytest.raises(ValueError, match="unknown"):

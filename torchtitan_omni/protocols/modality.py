@@ -100,13 +100,20 @@ def unregister_modality(name: str) -> None:
 
 
 @contextmanager
-def registered(modality: Modality) -> Iterator[Modality]:
-    """``modality`` registered for the duration of the block (tests)."""
-    register_modality(modality)
+def registered(modality: Modality, replace: bool = False) -> Iterator[Modality]:
+    """``modality`` registered for the duration of the block (tests); a modality it replaced
+    comes back afterwards, in its place."""
+    global _version
+    old = _REGISTRY.get(modality.name)
+    register_modality(modality, replace=replace)
     try:
         yield modality
     finally:
-        unregister_modality(modality.name)
+        if old is None:
+            unregister_modality(modality.name)
+        else:
+            _REGISTRY[modality.name] = old  # same key: its place (token order) is kept
+            _version += 1
 
 
 def get_modality(name: str) -> Modality:
