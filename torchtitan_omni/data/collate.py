@@ -2,7 +2,8 @@
 
 Media items are concatenated in the order of their placeholders over the flattened ``B * S``
 tokens (row 0 left to right, then row 1, ...), so encoder output rows line up with
-``<modality>_embed_index``.
+``<modality>_embed_index``. A generated modality (registered with role "target") also gets
+``<modality>_target_index``: the position before each pad predicts that pad's row.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torchtitan_omni.data.document import Document
 from torchtitan_omni.data.processors import Processor
 from torchtitan_omni.protocols import batch as B
+from torchtitan_omni.protocols.modality import get_modality
 
 IGNORE = B.IGNORE_INDEX
 
@@ -27,7 +29,8 @@ def collate(
     labels = np.full((n, row_len), IGNORE, dtype=np.int64)
     modalities = sorted({m for docs in rows for d in docs for m in d.media})
     embed = {m: np.full((n, row_len), -1, dtype=np.int64) for m in modalities}
-    gen_target = np.full((n, row_len), -1, dtype=np.int64) if B.GEN_IMAGE in modalities else None
+    target = {m: np.full((n, row_len), -1, dtype=np.int64)
+              for m in modalities if get_modality(m).is_target}
     items = {m: [] for m in modalities}
     rows_used = dict.fromkeys(modalities, 0)
     bounds = [0]
@@ -45,14 +48,10 @@ def collate(
             positions[r, window] = np.arange(length)
             labels[r, window] = doc.labels()
             for m, pads in doc.pad_positions.items():
-                embed[m][r, offset + pads] = rows_used[m] + np.arange(len(pads))
-            if len(doc.gen_starts):
-                per_item = doc.media[B.GEN_IMAGE][0].num_tokens
-                first_item = rows_used[B.GEN_IMAGE] // per_item
-                for k, start in enumerate(doc.gen_starts):
-                    base = (first_item + k) * per_item
-                    s = offset + int(start)
-                    gen_target[r, s:s + per_item] = base + np.arange(per_item)
+                rows_of = rows_used[m] + np.arange(len(pads))
+                embed[m][r, offset + pads] = rows_of
+                if m in target:  # teacher forcing: the position before a pad predicts it
+                    target[m][r, offset + pads - 1] = rows_of
             for m, its in doc.media.items():
                 items[m].extend(its)
                 rows_used[m] += sum(it.num_tokens for it in its)
@@ -72,6 +71,6 @@ def collate(
         batch[B.embed_index_key(m)] = torch.from_numpy(embed[m])
         for key, value in processors[m].collate(items[m]).items():
             batch[f"{m}_{key}"] = value
-    if gen_target is not None:
-        batch[B.target_index_key(B.GEN_IMAGE)] = torch.from_numpy(gen_target)
+    for m, index in target.items():
+        batch[B.target_index_key(m)] = torch.from_numpy(index)
     return batch, torch.from_numpy(labels)

@@ -3,8 +3,9 @@
 The layout is ``torchtitan_omni.data.template``'s. Each token carries a flag saying whether it
 is a text *target* (the label of the position before it): assistant content and its end of
 turn, and all plain text, are; prompts (unless ``mask_prompt_labels`` is off), role markers,
-bos, media pads and end tokens never are. ``<gen_image_start>`` is a target (the text head
-learns to start an image); the pads and ``<gen_image_end>`` are not.
+bos, media pads and end tokens never are. The start token of a generated item (a modality
+registered with role "target", e.g. ``<gen_image_start>``) is a target (the text head learns
+to start an image); its pads and end token are not.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torchtitan_omni.data.bad_samples import MODALITY_DISABLED, NO_TARGETS, TOO_
 from torchtitan_omni.data.processors import Item, Processor
 from torchtitan_omni.data.sample import Sample, split_placeholders
 from torchtitan_omni.data.template import drop_prompt
-from torchtitan_omni.protocols.batch import GEN_IMAGE
+from torchtitan_omni.protocols.modality import get_modality
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Document:
     media: dict[str, list[Item]] = field(default_factory=dict)
     #: modality -> positions of its pad tokens, in order (one embedding row each)
     pad_positions: dict[str, np.ndarray] = field(default_factory=dict)
-    #: positions of the ``<gen_image_start>`` tokens, one per generated image
+    #: positions of the start tokens of generated items (``<gen_image_start>``), one per item
     gen_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: (epoch, q, chunk, shard index, shard count) identifying the document for resumption
     key: tuple = ()
@@ -133,12 +134,13 @@ class DocumentEncoder:
                 next_item[modality] += 1
                 start, pad, end = self.sp.media_ids(modality)
                 n = sum(it.num_tokens for it in group)
-                if modality == GEN_IMAGE:
+                generated = get_modality(modality).is_target
+                if generated:
                     gen_starts.append(len(tokens))
                 elif first_understanding is None:
                     first_understanding = len(tokens)
                 tokens.append(start)
-                targets.append(trained and modality == GEN_IMAGE)
+                targets.append(trained and generated)
                 pads[modality].extend(range(len(tokens), len(tokens) + n))
                 tokens.extend([pad] * n)
                 tokens.append(end)

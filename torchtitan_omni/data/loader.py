@@ -38,7 +38,7 @@ from torchtitan_omni.data.tokenizer import build_omni_tokenizer
 from torchtitan_omni.errors import OmniInputError
 from torchtitan_omni.job_model import job_model_args
 from torchtitan_omni.platform import is_cpu
-from torchtitan_omni.protocols.batch import MODALITIES
+from torchtitan_omni.protocols.modality import modality_names
 
 
 class OmniDataLoader(ParallelAwareDataloader):
@@ -174,10 +174,12 @@ def model_processing(job_config) -> dict[str, Any]:
 
 def check_data_config(data, seq_len: int) -> None:
     """Raise ValueError naming the first impossible [data] value (also run at start-up)."""
-    unknown = set(data.modalities) - set(MODALITIES)
+    known = modality_names()
+    unknown = set(data.modalities) - set(known)
     if unknown:
         raise ValueError(
-            f"data.modalities has unknown {sorted(unknown)} (known: {', '.join(MODALITIES)})"
+            f"data.modalities has unknown {sorted(unknown)} (known: {', '.join(known)}; a new "
+            "modality is added with torchtitan_omni.protocols.modality.register_modality)"
         )
     if not 0.0 <= data.gen_cfg_drop_prob <= 1.0:
         raise ValueError(f"data.gen_cfg_drop_prob must be in [0, 1], got {data.gen_cfg_drop_prob}")

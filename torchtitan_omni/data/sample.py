@@ -11,13 +11,15 @@ Accepted row shapes (one JSONL line or Parquet row; docs/data.md has examples):
 - ``{"caption": "...", "gen_image": <ref>}`` image generation, short for a user turn with the
   caption and an assistant turn ``<gen_image>``.
 
-Media live under ``images``/``image``, ``videos``/``video``, ``audios``/``audio``,
-``gen_images``/``gen_image``: a path relative to the dataset root, bytes, ``{"bytes":...,
+Media live under each registered modality's row keys (``torchtitan_omni.protocols.modality``;
+``images``/``image``, ``videos``/``video``, ``audios``/``audio``, ``gen_images``/``gen_image``
+for the built-ins): a path relative to the dataset root, bytes, ``{"bytes":...,
 "path":...}`` or a ``data:`` URL, or a list of these, one per placeholder in order.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,16 +30,35 @@ from torchtitan_omni.data.bad_samples import (
     UNKNOWN_PLACEHOLDER, BadSample, Source,
 )
 from torchtitan_omni.data.jsonl import UnreadableLine
-from torchtitan_omni.protocols.batch import GEN_IMAGE, MODALITIES
+from torchtitan_omni.protocols.batch import GEN_IMAGE
+from torchtitan_omni.protocols.modality import (
+    get_modality, modalities, modality_names, registry_version,
+)
 
-MEDIA_KEYS = {m: (m + "s", m) for m in MODALITIES}  # "images"/"image", ...
 ROLE_ALIASES = {
     "system": "system", "user": "user", "human": "user", "assistant": "assistant",
     "gpt": "assistant", "model": "assistant", "bot": "assistant",
 }
 
-_PLACEHOLDER = re.compile("|".join(re.escape(p) for p in st.PLACEHOLDERS.values()))
-_MODALITY_OF = {p: m for m, p in st.PLACEHOLDERS.items()}
+
+def media_keys() -> dict[str, tuple[str, ...]]:
+    """Modality -> its row keys ("images"/"image", ...), every registered modality."""
+    return {m.name: m.keys for m in modalities()}
+
+
+@functools.lru_cache(maxsize=4)
+def _placeholders(version: int) -> tuple[re.Pattern, dict[str, str]]:
+    """The placeholder pattern and placeholder -> modality of one registry version."""
+    of = {m.placeholder: m.name for m in modalities()}
+    # longest first: a placeholder that is a prefix of another must not win
+    pattern = re.compile("|".join(re.escape(p) for p in sorted(of, key=len, reverse=True)))
+    return pattern, of
+
+
+def _modality_of() -> dict[str, str]:
+    return _placeholders(registry_version())[1]
+
+
 # Tags that look like a media placeholder but are not one (e.g. <img>, <image_1>, <Audio>).
 _LOOKALIKE = re.compile(
     r"<\s*/?\s*(?:gen[_ ]?)?(?:image|img|picture|video|vid|audio|speech|sound)[^<>\n]{0,24}>",
@@ -73,10 +94,11 @@ def split_placeholders(text: str) -> list[str | tuple[str]]:
     """``text`` as plain strings and ``(modality,)`` markers, in order."""
     out: list[str | tuple[str]] = []
     pos = 0
-    for m in _PLACEHOLDER.finditer(text):
+    pattern, modality_of = _placeholders(registry_version())
+    for m in pattern.finditer(text):
         if m.start() > pos:
             out.append(text[pos:m.start()])
-        out.append((_MODALITY_OF[m.group(0)],))
+        out.append((modality_of[m.group(0)],))
         pos = m.end()
     if pos < len(text):
         out.append(text[pos:])
@@ -93,7 +115,7 @@ def _as_list(value: Any) -> list[Any]:
 
 def _row_media(row: dict, source: Source) -> dict[str, list[Any]]:
     media = {}
-    for modality, keys in MEDIA_KEYS.items():
+    for modality, keys in media_keys().items():
         present = [k for k in keys if row.get(k) is not None]
         if len(present) == 2 and _as_list(row[keys[0]]) and _as_list(row[keys[1]]):
             raise BadSample(MALFORMED, f"both {keys[0]!r} and {keys[1]!r} are set", source)
@@ -113,8 +135,8 @@ def _content_text(content: Any, media: dict[str, list[Any]], inline: dict[str, l
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
             pieces.append(part.get("text") or "")
-        elif kind in st.PLACEHOLDERS:
-            pieces.append(st.PLACEHOLDERS[kind])
+        elif kind in inline:
+            pieces.append(st.placeholder(kind))
             value = next(
                 (part[k] for k in (kind, "path", "url", "bytes") if part.get(k) is not None), None
             )
@@ -165,34 +187,36 @@ def _merge_inline(media, inline, source) -> None:
 
 
 def _check_placeholders(sample: Sample) -> None:
-    counts = dict.fromkeys(MODALITIES, 0)
+    counts = dict.fromkeys(modality_names(), 0)
+    known = _modality_of()
     for role, text in sample.segments():
-        for token in st.MEDIA_TOKENS:
+        for token in st.media_tokens():
             if token in text:
                 raise BadSample(
                     UNKNOWN_PLACEHOLDER, f"text contains the special token {token}", sample.source
                 )
         for m in _LOOKALIKE.finditer(text):
-            if m.group(0) not in _MODALITY_OF:
+            if m.group(0) not in known:
                 raise BadSample(
                     UNKNOWN_PLACEHOLDER,
                     f"unknown placeholder {m.group(0)!r} (known: "
-                    f"{', '.join(st.PLACEHOLDERS.values())})",
+                    f"{', '.join(known)})",
                     sample.source,
                 )
         for piece in split_placeholders(text):
             if isinstance(piece, tuple):
                 counts[piece[0]] += 1
-                if piece[0] == GEN_IMAGE and role in ("user", "system"):
+                # a generated item is the model's answer: never in a prompt
+                if get_modality(piece[0]).is_target and role in ("user", "system"):
                     raise BadSample(
-                        MALFORMED, f"{st.PLACEHOLDERS[GEN_IMAGE]} in a {role} turn", sample.source
+                        MALFORMED, f"{st.placeholder(piece[0])} in a {role} turn", sample.source
                     )
     for modality, n in counts.items():
         have = len(sample.media.get(modality, []))
         if n != have:
             raise BadSample(
                 PLACEHOLDER_MISMATCH,
-                f"{n} {st.PLACEHOLDERS[modality]} placeholder(s) but {have} {modality} item(s)",
+                f"{n} {st.placeholder(modality)} placeholder(s) but {have} {modality} item(s)",
                 sample.source,
             )
 
@@ -204,7 +228,7 @@ def parse_row(row: dict, source: Source) -> Sample:
     if not isinstance(row, dict):
         raise BadSample(MALFORMED, f"the row is a JSON {type(row).__name__}, not an object", source)
     media = _row_media(row, source)
-    inline: dict[str, list[Any]] = {m: [] for m in MODALITIES}
+    inline: dict[str, list[Any]] = {m: [] for m in modality_names()}
     if row.get("messages") is not None:
         sample = Sample(source, turns=_turns("messages", row["messages"], "role", "content",
                                              media, inline, source))
@@ -213,7 +237,7 @@ def parse_row(row: dict, source: Source) -> Sample:
                                              "value", media, inline, source))
     elif row.get("caption") is not None and media[GEN_IMAGE]:
         sample = Sample(source, turns=[
-            Turn("user", str(row["caption"])), Turn("assistant", st.PLACEHOLDERS[GEN_IMAGE])
+            Turn("user", str(row["caption"])), Turn("assistant", st.placeholder(GEN_IMAGE))
         ])
     elif row.get("text") is not None:
         if not isinstance(row["text"], str):

@@ -8,7 +8,8 @@
 - a tokenizer that contains them (the bundled one) uses them as they are;
 - a Llama-3 tokenizer keeps its vocabulary: bos/eos/end-of-turn/pad map onto its native
   tokens (``special_tokens.LLAMA3_NATIVE``) and every other omni token onto the lowest free
-  ``<|reserved_special_token_K|>``, in ``special_tokens.ORDER``;
+  ``<|reserved_special_token_K|>``, in ``special_tokens.omni_tokens()`` order (the built-ins'
+  ``ORDER``, then the tokens of registered modalities);
 - any other tokenizer gets the omni tokens it cannot map as new special tokens, with ids after
   its last one (``add_omni_tokens``); the model args see the same tokens
   (``tokenizer_layout``) and grow the embedding and head to hold them.
@@ -31,7 +32,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_omni.data import special_tokens as st
 from torchtitan_omni.data.default_dataset import maybe_build_default
-from torchtitan_omni.protocols.batch import MODALITIES
+from torchtitan_omni.protocols.modality import modality_names
 from torchtitan_omni.protocols.model import HF_FLAVOR
 
 _RESERVED = re.compile(r"^<\|reserved_special_token_(\d+)\|>$")
@@ -71,10 +72,11 @@ def _map_special_tokens(vocab: dict[str, int]) -> tuple[dict[str, str], list[str
         (int(m.group(1)), tok) for tok in vocab if (m := _RESERVED.match(tok))
     )
     free = [tok for _, tok in reserved]
-    used = set(st.ORDER) & set(vocab)
+    order = st.omni_tokens()
+    used = set(order) & set(vocab)
     mapping: dict[str, str] = {}
     missing = []
-    for name in st.ORDER:
+    for name in order:
         if name in vocab:
             mapping[name] = name
             continue
@@ -108,7 +110,7 @@ def resolve_special_tokens(vocab: dict[str, int], where: str = "the tokenizer") 
         roles={role: ids[marker] for role, marker in st.ROLE_MARKERS.items()},
         media={
             m: (ids[st.media_start(m)], ids[st.media_pad(m)], ids[st.media_end(m)])
-            for m in MODALITIES
+            for m in modality_names()
         },
         mapping=mapping,
     )
@@ -129,7 +131,8 @@ class TokenizerLayout:
 
 def add_omni_tokens(tokenizer: Tokenizer) -> TokenizerLayout:
     """Add the omni special tokens ``tokenizer`` cannot map (no such token, no native or free
-    reserved one) as special tokens with the next ids, in ``special_tokens.ORDER``."""
+    reserved one) as special tokens with the next ids, in ``special_tokens.omni_tokens()``
+    order."""
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     base = max(vocab.values()) + 1 if vocab else 0
     _, missing = _map_special_tokens(vocab)

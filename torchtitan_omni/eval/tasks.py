@@ -32,9 +32,8 @@ from torchtitan_omni.data.sample import Sample, parse_row
 from torchtitan_omni.data.source import RowSource, find_files
 from torchtitan_omni.eval import metrics as M
 from torchtitan_omni.protocols import batch as B
+from torchtitan_omni.protocols.modality import modalities
 
-#: understanding modalities, in the order a mixed row is named by
-UNDERSTANDING = (B.IMAGE, B.VIDEO, B.AUDIO)
 #: captions of the sample grid, in the bundled dataset's wording (one digit per colour)
 FIXED_CAPTIONS = tuple(f"Draw a {c} {d}." for d, c in enumerate(
     ("red", "green", "blue", "yellow", "white", "orange", "purple", "cyan")))
@@ -53,7 +52,8 @@ def kind_of(sample: Sample) -> str:
     conversation joined by ``+`` (``image``, ``video``, ``audio``, ``image+audio``...)."""
     if sample.media.get(B.GEN_IMAGE):
         return "generation"
-    found = [m for m in UNDERSTANDING if sample.media.get(m)]
+    # understanding modalities, in registration order (the order a mixed row is named by)
+    found = [m.name for m in modalities() if not m.is_target and sample.media.get(m.name)]
     if found:
         return "+".join(found)
     return "text" if sample.turns is None else "chat"

@@ -37,11 +37,13 @@ POSITION_IDS = "position_ids"
 CU_SEQLENS = "cu_seqlens"
 REAL_TOKENS = "real_tokens"
 
-# Understanding inputs (encoders) and generation targets (decoders) known to the framework.
+# The built-in modalities. Every modality, these included, is described and registered in
+# ``torchtitan_omni.protocols.modality``; read the registry, not this list.
 IMAGE = "image"
 VIDEO = "video"
 AUDIO = "audio"
 GEN_IMAGE = "gen_image"  # image generation: not prefixed "image_" so media keys stay apart
+#: the built-ins in the frozen order of their special tokens (existing tokenizers' ids)
 MODALITIES = (IMAGE, VIDEO, AUDIO, GEN_IMAGE)
 
 

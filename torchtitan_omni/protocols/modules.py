@@ -5,8 +5,9 @@ foundation, scatters every encoder's ``lm_encode`` rows and every decoder's ``lm
 into their placeholder positions, runs the foundation, and applies the text head and each
 decoder's ``lm_head`` to the hidden states at their target positions.
 
-Adding a modality means writing one encoder (or decoder) and one processor config; nothing in
-the trainer or the parallelism changes.
+Adding a modality means writing one encoder (or decoder), its processor config and processor,
+and registering them (``torchtitan_omni.protocols.modality.register_modality``); nothing in
+the framework changes.
 """
 
 from __future__ import annotations
