@@ -54,6 +54,7 @@ from torchtitan_omni.checkpoint.completion import (
     tmp_dir,
     verify,
 )
+from torchtitan_omni.checkpoint.optimizer_state import CompleteOptimizerState
 from torchtitan_omni.checkpoint.parts import state_tensors
 from torchtitan_omni.checkpoint.stateful import RNG, DataloaderState, RNGState
 from torchtitan_omni.compat import TitanCheckpointManager
@@ -169,6 +170,8 @@ class OmniCheckpointManager(TitanCheckpointManager):
         if wrapped is None:
             self.states.pop(DATALOADER, None)
         self.states[RNG] = RNGState(self.rank)
+        if OPTIMIZER in self.states:
+            self.states[OPTIMIZER] = CompleteOptimizerState(self.states[OPTIMIZER])
 
     # ----------------------------------------------------------------- saving
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode,
