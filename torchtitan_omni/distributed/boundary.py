@@ -116,6 +116,7 @@ def balanced_encode(
     out_rows: list[int],
     empty: Callable[[], torch.Tensor],
     group: ProcessGroup,
+    index: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, tuple[float, float]]:
     """Encode the group's items on balanced ranks; return this rank's embedding rows in its
     item order, and the imbalance (max/mean cost) before and after balancing.
@@ -123,10 +124,11 @@ def balanced_encode(
     ``out_rows``: embedding rows of each of this rank's items. ``encode(media)``: the encoder
     on the items this rank was assigned (keys as ``media``). ``empty()``: a zero-row output
     that still involves every parameter (see the module docstring). Every rank of ``group``
-    must call this together (same keys; possibly no items).
+    must call this together (same keys; possibly no items). ``index``: :func:`host_index` of
+    ``media`` when the caller has it.
     """
     rank, world = dist.get_rank(group), group.size()
-    index = host_index(media)
+    index = host_index(media) if index is None else index
     spans = key_rows(index)
     mine: dict[str, Any] = {"costs": item_costs(index), "spans": spans, "out": list(out_rows),
             "tails": {k: tuple(t.shape[1:]) for k, t in media.items()}}
@@ -149,8 +151,9 @@ def balanced_encode(
     received = {}
     for key in keys:
         tail = tuple(max(m["tails"][key][d] for m in meta) for d in range(len(mine["tails"][key])))
-        pieces = _pad_to(media[key], tail).split(spans[key])
-        send = torch.cat([pieces[i] for i in order]) if order else _pad_to(media[key], tail)[:0]
+        padded = _pad_to(media[key], tail)
+        pieces = padded.split(spans[key])
+        send = torch.cat([pieces[i] for i in order]) if order else padded[:0]
         in_splits = [sum(spans[key][i] for i in order if dest[rank][i] == d) for d in range(world)]
         out_splits = [sum(n for n, e in zip(meta[s]["spans"][key], dest[s]) if e == rank)
                       for s in range(world)]
@@ -201,22 +204,24 @@ class BalancedMediaEncoder(nn.Module):
         out_rows = self._omni_item_out_rows(index, modality)
         sp = self._omni_sp_group
         if sp is not None:
-            bounds = split_bounds(item_rows(index), sp.size())
+            rows = item_rows(index)
+            bounds = split_bounds(rows, sp.size())
             sizes = [sum(out_rows[a:b]) for a, b in itertools.pairwise(bounds)]
             r = dist.get_rank(sp)
-            media = slice_items(media, bounds[r], bounds[r + 1])
+            media = slice_items(media, bounds[r], bounds[r + 1], rows)
+            index = slice_items(index, bounds[r], bounds[r + 1], rows)
             out_rows = out_rows[bounds[r]:bounds[r + 1]]
 
         def empty() -> torch.Tensor:
             # every parameter in the graph (zero gradients), no rows: FSDP's collectives match
             return base(cast(OmniEncoder, self).dummy_media(modality, device), modality)[:0]
 
-        rows, stats = balanced_encode(media, lambda m: base(m, modality), out_rows, empty,
-                                      self._omni_balance_group)
+        encoded, stats = balanced_encode(media, lambda m: base(m, modality), out_rows, empty,
+                                         self._omni_balance_group, index)
         self._omni_balance_stats = stats
         logger.debug(f"{type(self).__name__} {modality}: encoder cost max/mean "
                      f"{stats[0]:.3f} -> {stats[1]:.3f} after balancing")
-        return gather_rows(rows, sizes, sp) if sp is not None else rows
+        return gather_rows(encoded, sizes, sp) if sp is not None else encoded
 
 
 def balance_metrics(encoders: nn.ModuleDict | dict) -> dict[str, float]:

@@ -75,10 +75,12 @@ def key_rows(media: dict[str, torch.Tensor], rows: list[int] | None = None) -> d
     return out
 
 
-def slice_items(media: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
-    """Items ``[start, end)`` of a modality's media (see the module docstring)."""
+def slice_items(media: dict[str, torch.Tensor], start: int, end: int,
+                rows: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Items ``[start, end)`` of a modality's media (see the module docstring). ``rows``:
+    :func:`item_rows` when the caller has them (no second read of a device grid)."""
     out = {}
-    for key, spans in key_rows(media).items():
+    for key, spans in key_rows(media, rows).items():
         out[key] = media[key][sum(spans[:start]):sum(spans[:end])]
     return out
 
