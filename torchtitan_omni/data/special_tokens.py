@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torchtitan_omni.data.processors  # noqa: F401  (registers the built-in modalities)
 from torchtitan_omni.protocols.batch import AUDIO, GEN_IMAGE, IMAGE, MODALITIES, VIDEO
-from torchtitan_omni.protocols.modality import get_modality, modalities
+from torchtitan_omni.protocols.modality import get_modality, media_token, modalities
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -31,17 +31,17 @@ ROLE_MARKERS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
 
 def media_start(modality: str) -> str:
     """Token opening one item of ``modality``, e.g. ``<|image_start|>``."""
-    return f"<|{modality}_start|>"
+    return media_token(modality, "start")
 
 
 def media_pad(modality: str) -> str:
     """Placeholder token repeated once per embedding row of an item of ``modality``."""
-    return f"<|{modality}_pad|>"
+    return media_token(modality, "pad")
 
 
 def media_end(modality: str) -> str:
     """Token closing one item of ``modality``."""
-    return f"<|{modality}_end|>"
+    return media_token(modality, "end")
 
 
 #: the built-in modalities' media tokens (frozen: the bundled tokenizer was trained on them)

@@ -10,6 +10,7 @@ Hugging Face ``Qwen3ForCausalLM`` through ``torchtitan_omni.foundations.hf_adapt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from torchtitan_omni.foundations.decoder import DecoderLM, DecoderLMArgs, PreNormBlock
 from torchtitan_omni.foundations.hf_adapters import Qwen3HFAdapter
@@ -42,15 +43,31 @@ class Qwen3Args(DecoderLMArgs):
         return self.head_dim
 
 
+class Qwen3AttentionShape(Protocol):
+    """The fields of Qwen3 and Qwen3-MoE arguments that shape their attention."""
+
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    attention_bias: bool
+    norm_eps: float
+
+
+def qwen3_attention(args: Qwen3AttentionShape, rope: RotaryEmbedding) -> SelfAttention:
+    """Qwen3's attention (dense and MoE alike): GQA with per-head q/k RMSNorm."""
+    return SelfAttention(
+        args.dim, args.n_heads, args.n_kv_heads, args.head_dim, qkv_bias=args.attention_bias,
+        out_bias=args.attention_bias, qk_norm=True, norm_eps=args.norm_eps, rope=rope,
+    )
+
+
 class Qwen3Block(PreNormBlock):
     """Pre-norm attention (q/k norm) + SwiGLU block."""
 
     def __init__(self, layer_id: int, args: Qwen3Args, rope: RotaryEmbedding) -> None:
-        attention = SelfAttention(
-            args.dim, args.n_heads, args.n_kv_heads, args.head_dim, qkv_bias=args.attention_bias,
-            out_bias=args.attention_bias, qk_norm=True, norm_eps=args.norm_eps, rope=rope,
-        )
-        super().__init__(layer_id, args, attention, SwiGLU(args.dim, args.ffn_hidden_dim))
+        super().__init__(layer_id, args, qwen3_attention(args, rope),
+                         SwiGLU(args.dim, args.ffn_hidden_dim))
 
 
 class Qwen3(DecoderLM):

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan_omni.foundations.hf_adapters import Qwen3MoeHFAdapter
-from torchtitan_omni.modules.attention import SelfAttention
+from torchtitan_omni.foundations.qwen3 import qwen3_attention
 from torchtitan_omni.modules.moe import MoE, RoutingStats, load_balancing_loss
 from torchtitan_omni.modules.rope import RotaryEmbedding
 from torchtitan_omni.foundations.decoder import DecoderLM, DecoderLMArgs, PreNormBlock
@@ -63,12 +63,8 @@ class Qwen3MoeBlock(PreNormBlock):
     ffn_attr = "moe"
 
     def __init__(self, layer_id: int, args: Qwen3MoeArgs, rope: RotaryEmbedding) -> None:
-        attention = SelfAttention(
-            args.dim, args.n_heads, args.n_kv_heads, args.head_dim, qkv_bias=args.attention_bias,
-            out_bias=args.attention_bias, qk_norm=True, norm_eps=args.norm_eps, rope=rope,
-        )
         moe = MoE(args.dim, args.moe_hidden_dim, args.num_experts, args.top_k, args.norm_topk_prob)
-        super().__init__(layer_id, args, attention, moe)
+        super().__init__(layer_id, args, qwen3_attention(args, rope), moe)
 
     @property
     def compile_fullgraph(self) -> bool:

@@ -66,7 +66,13 @@ class Modality:
     @property
     def tokens(self) -> tuple[str, str, str]:
         """The (start, pad, end) special token strings, e.g. ``<|image_start|>``."""
-        return (f"<|{self.name}_start|>", f"<|{self.name}_pad|>", f"<|{self.name}_end|>")
+        name = self.name
+        return media_token(name, "start"), media_token(name, "pad"), media_token(name, "end")
+
+
+def media_token(modality: str, part: str) -> str:
+    """A modality's special token: ``part`` is start, pad (its placeholder) or end."""
+    return f"<|{modality}_{part}|>"
 
 
 _REGISTRY: dict[str, Modality] = {}
