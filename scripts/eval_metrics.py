@@ -40,16 +40,23 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def run(args: argparse.Namespace, cfg) -> dict:
     """Score the split and write the outputs; returns the metrics."""
     from torchtitan_omni.data.loader import dataset_root
-    from torchtitan_omni.eval.tasks import TaskEvaluator, read_split, sample_grid
+    from torchtitan_omni.eval.tasks import (
+        TaskEvaluator, read_split, sample_grid, split_by_modalities,
+    )
     from torchtitan_omni.generate import Generator
     from torchtitan_omni.protocols import batch as B
 
     root = dataset_root(cfg)
     items = read_split(root, args.split, args.limit, cfg.data.format)
     gen = Generator.from_config(cfg)
+    items, skipped = split_by_modalities(items, gen.processors)
+    for task, n in sorted(skipped.items()):
+        print(f"eval_metrics: skipped {n} row(s) of {task}: media the model does not read "
+              f"(it reads {', '.join(gen.processors) or 'text only'})", flush=True)
     evaluator = TaskEvaluator(gen, root, cfg.training.seq_len, args.max_new_tokens)
     report = evaluator.answers(items)
     metrics = dict(sorted(report.metrics.items()))
+    metrics.update({f"skipped_rows/{task}": n for task, n in sorted(skipped.items())})
     ppl = evaluator.text_perplexity(items)
     if ppl is not None:
         metrics["text_perplexity"] = ppl

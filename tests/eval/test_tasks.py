@@ -45,6 +45,16 @@ def test_read_split_kinds(setup):
     assert all(len([i for i in items if i.task == t]) == 2 for t in kinds)  # limit per file
 
 
+def test_rows_with_media_the_model_cannot_read_are_counted_not_scored(setup):
+    # a vision-only model (Janus) on the bundled test split: the speech rows are left out and
+    # counted; everything else is kept in order
+    _, _, items, _ = setup
+    kept, skipped = T.split_by_modalities(items, {B.IMAGE, B.GEN_IMAGE})
+    assert skipped == {"test-speech": 2, "test-video": 2}
+    assert kept == [i for i in items if i.task not in ("test-speech", "test-video")]
+    assert T.split_by_modalities(items, set(setup[0].processors)) == (items, {})
+
+
 def test_prompt_and_reference_cut_before_the_last_answer(setup):
     _, _, items, _ = setup
     speech = next(i for i in items if i.task == "test-speech")

@@ -75,6 +75,18 @@ def read_split(root: str, split: str, limit: int = 0, fmt: str = "auto") -> list
     return out
 
 
+def split_by_modalities(items: Sequence[HeldOut], enabled) -> tuple[list[HeldOut], dict]:
+    """The items whose media the model can read (every modality in ``enabled``), and the count
+    of the others per task file (e.g. a vision-only model's ``test-speech`` rows)."""
+    kept, skipped = [], defaultdict(int)
+    for item in items:
+        if all(m in enabled for m, refs in item.sample.media.items() if refs):
+            kept.append(item)
+        else:
+            skipped[item.task] += 1
+    return kept, dict(skipped)
+
+
 def prompt_and_reference(sample: Sample) -> tuple[Sample, str] | None:
     """The sample cut before its last assistant turn, and that turn's text (None when the
     conversation does not end with an assistant turn)."""
