@@ -245,7 +245,7 @@ def moe_dispatch(ngpu: int) -> list[Point]:
     """MoE dispatch (issue 12) at the 30B-A3B layer shape: the exact uneven all-to-all (a host
     sync per layer) against capacity-padded dispatch (static splits), eager and compiled. One
     GPU: 2 layers, local dispatch; two: 4 layers, EP2; four: the anchor's 12 layers, EP4."""
-    layers, ep = {1: (2, ()), 2: (4, _ep(2)), 4: (12, _ep(4))}[ngpu]
+    layers, ep = {1: (2, _ep(1)), 2: (4, _ep(2)), 4: (12, _ep(4))}[ngpu]
     cut = _layers(layers) + FULL + ep
     variants = [("exact", ()), ("cap1.25", _cap(1.25))]
     if ngpu == 4:

@@ -122,10 +122,13 @@ class ExpertGroups:
     def offsets(self, x: torch.Tensor) -> torch.Tensor:
         """int32 end offsets of the groups over the flattened rows of ``x``."""
         if self._offsets is None:
-            counts = self.counts
-            if counts is None:  # padded: every group has the same rows
-                counts = torch.full((x.shape[0],), x.shape[1], device=x.device, dtype=torch.int64)
-            self._offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            if self.counts is None:  # padded: every group has the same rows
+                ends = torch.arange(1, x.shape[0] + 1, device=x.device, dtype=torch.int32)
+                self._offsets = ends * x.shape[1]
+            else:
+                # cast after the sum: inductor lowers cumsum(dtype=int32) of int64 counts to
+                # int64, which grouped_mm refuses in a compiled graph
+                self._offsets = torch.cumsum(self.counts, dim=0).to(torch.int32)
         return self._offsets
 
 
