@@ -39,6 +39,10 @@ class AttentionMeta:
     #: generation only: a ``torchtitan_omni.modules.attention.KVCache``; each row of the batch
     #: is then one sequence (no packing), and keys/values are appended to the cache
     kv_cache: object | None = None
+    #: rotary tables of ``position_ids`` computed once per forward by the module that owns the
+    #: rotary embedding (the vision encoder: ``VisionRotary2D.tables``), so that each block only
+    #: applies them; None: a block computes them from ``position_ids`` itself
+    rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Foundation(nn.Module, ABC):
