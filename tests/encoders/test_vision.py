@@ -217,8 +217,8 @@ def test_blocks_share_the_encoders_rotary_tables():
     attn = enc.blocks[0].attn
     g = torch.Generator().manual_seed(7)
     grid = [[2, 4, 6]]
-    positions = merge_window_positions(grid, 2, torch.device("cpu")).unsqueeze(0)
-    x = torch.randn(1, positions.shape[1], enc.args.dim, generator=g, dtype=torch.float64)
+    positions = merge_window_positions(grid, 2, torch.device("cpu"))
+    x = torch.randn(positions.shape[0], enc.args.dim, generator=g, dtype=torch.float64)
     shared = packed_meta([24, 24], x.device, positions, enc.rope.tables(positions))
     own = packed_meta([24, 24], x.device, positions)
     q, k, v = attn.project_qkv(x, shared)

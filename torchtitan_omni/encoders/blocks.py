@@ -1,9 +1,14 @@
 """Pieces shared by the encoders: the pre-LN transformer block, a fused-qkv attention, the
-quick-GELU MLP, and the attention metadata of a packed sequence of items.
+quick-GELU MLP, the 2-D rotary's application, and the attention metadata of a packed sequence
+of items.
 
-Every encoder packs its items (images, frames, clips) into one sequence ``[1, T, dim]`` and
+Every encoder packs its items (images, frames, clips) into one sequence ``[T, dim]`` and
 attends within each item through ``torchtitan_omni.modules.attention.varlen_attention``, so an
-item never sees another one and padding never takes part.
+item never sees another one and padding never takes part. The sequence has no batch dimension:
+each linear is then one ``addmm`` without the two reshapes around it, in the forward and in the
+backward (eager encoders are launch-bound, ``docs/performance.md``). Ulysses' runners, which
+split ``[B, S, ...]`` along S, serve the LLM's attention only: the encoders split their items
+between ranks instead (``parallelism.encoder_sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -26,15 +31,16 @@ def packed_meta(
     lengths: Sequence[int], device: torch.device, position_ids: torch.Tensor | None = None,
     rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AttentionMeta:
-    """Bidirectional attention metadata for items of these lengths packed back to back
-    (``rope_tables``: see ``AttentionMeta``)."""
+    """Bidirectional attention metadata for items of these lengths packed back to back into a
+    sequence ``[T, dim]`` (``position_ids`` ``[T, ...]``; ``rope_tables``: see
+    ``AttentionMeta``)."""
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + int(n))
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     if position_ids is None:
         # No rotary embedding reads them; kept for the AttentionMeta contract.
-        position_ids = torch.zeros(1, bounds[-1], dtype=torch.long, device=device)
+        position_ids = torch.zeros(bounds[-1], dtype=torch.long, device=device)
     return AttentionMeta(
         cu_seqlens=cu, max_seqlen=max((int(n) for n in lengths), default=0),
         position_ids=position_ids, causal=False, rope_tables=rope_tables,
@@ -42,8 +48,8 @@ def packed_meta(
 
 
 def apply_rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate ``x`` ``[B, S, H, D]`` ("rotate half" pairing) by ``tables = (cos, sin)``
-    ``[B, S, 1, D]``, where ``sin`` carries the sign of the first half (``-sin``, ``sin``).
+    """Rotate ``x`` ``[..., S, H, D]`` ("rotate half" pairing) by ``tables = (cos, sin)``
+    ``[..., S, 1, D]``, where ``sin`` carries the sign of the first half (``-sin``, ``sin``).
 
     ``rotate_half(x) * sin`` equals ``roll(x, D / 2) * signed_sin`` bit for bit (a sign is
     exact), and the roll is one op against four (two slices, a negation, a cat), also in the
@@ -106,11 +112,11 @@ class FusedQKVAttention(SelfAttention):
 
     def project_qkv(self, x: torch.Tensor, meta: AttentionMeta) -> tuple[torch.Tensor, ...]:
         """One GEMM for q, k and v, then one rotation of q and k together."""
-        qkv = self.qkv(x).unflatten(-1, (-1, self.head_dim))  # [B, S, 3H, D]
+        qkv = self.qkv(x).unflatten(-1, (-1, self.head_dim))  # [..., S, 3H, D]
         if self.rope is None:
-            return qkv.chunk(3, dim=2)
-        qk, v = qkv.split((2 * self.n_heads, self.n_heads), dim=2)
-        q, k = apply_rotary(qk, self.rope_tables(meta)).chunk(2, dim=2)
+            return qkv.chunk(3, dim=-2)
+        qk, v = qkv.split((2 * self.n_heads, self.n_heads), dim=-2)
+        q, k = apply_rotary(qk, self.rope_tables(meta)).chunk(2, dim=-2)
         return q, k, v
 
     def init_weights(self, std: float, out_std: float | None = None) -> None:
@@ -151,7 +157,7 @@ def init_layer_norm(norm: nn.LayerNorm) -> None:
 
 
 def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-    """Apply the blocks in order to a packed sequence ``[1, T, dim]``."""
+    """Apply the blocks in order to a packed sequence ``[T, dim]``."""
     for block in blocks:
         x = block(x, meta)
     return x

@@ -163,17 +163,17 @@ class VisionRotary2D(nn.Module):
         return (1.0 / self.theta**exponent).float()
 
     def tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``(cos, signed sin)`` ``[B, S, 1, D]`` of (row, column) ``position_ids``
-        ``[B, S, 2]``, as ``apply_rotary`` takes them."""
+        """float32 ``(cos, signed sin)`` ``[..., S, 1, D]`` of (row, column) ``position_ids``
+        ``[..., S, 2]``, as ``apply_rotary`` takes them."""
         inv = self.inverse_frequencies(position_ids.device)
-        freqs = (position_ids.float().unsqueeze(-1) * inv).flatten(-2)  # [B, S, D/2]
+        freqs = (position_ids.float().unsqueeze(-1) * inv).flatten(-2)  # [..., S, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         # both halves of a head share the angles; the first half's sine is negated
         return (torch.cat([cos, cos], dim=-1).unsqueeze(-2),
                 torch.cat([-sin, sin], dim=-1).unsqueeze(-2))
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[B, S, H, D]`` by (row, column) ``position_ids`` ``[B, S, 2]``."""
+        """Rotate ``x`` ``[..., S, H, D]`` by (row, column) ``position_ids`` ``[..., S, 2]``."""
         return apply_rotary(x, self.tables(position_ids))
 
 
@@ -244,14 +244,13 @@ class VisionEncoder(OmniEncoder):
 
     def lm_encode(self, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
         patches, grid = self._checked(media, modality)
-        x = self.patch_embed(patches).unsqueeze(0)
+        x = self.patch_embed(patches)
         # Built on the host from the grid already read, then one copy (no per-item kernels).
         positions = merge_window_positions(grid, self.args.merge_size, torch.device("cpu"))
-        positions = positions.to(x.device, non_blocking=True).unsqueeze(0)
+        positions = positions.to(x.device, non_blocking=True)
         # The rotary tables depend only on the positions: computed once for all the blocks.
         meta = packed_meta(self._segments(grid), x.device, positions, self.rope.tables(positions))
-        x = run_blocks(self.blocks, x, meta)
-        return self.merger(x.squeeze(0))
+        return self.merger(run_blocks(self.blocks, x, meta))
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         init.trunc_normal_(self.patch_embed.weight, std=0.02)

@@ -26,6 +26,8 @@ class AttentionMeta:
     ``cu_seqlens`` and ``max_seqlen`` describe the documents of the *full* flattened
     ``B * S`` sequence, also under sequence parallelism (Ulysses attention sees the full
     sequence for a subset of heads). ``position_ids`` is ``[B, S_local]``: this rank's slice.
+    The encoders run one packed sequence without a batch dimension: ``position_ids`` ``[T]``
+    (``[T, 2]`` for the vision encoder's (row, column) positions).
     """
 
     cu_seqlens: torch.Tensor
