@@ -8,7 +8,10 @@ import torch
 from tests.encoders.hf_utils import (
     check_init_covers_everything, load_with_adapter, randomize_, rel_err, write_hf_checkpoint,
 )
-from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder, patchify
+from torchtitan_omni.encoders.blocks import apply_rotary, packed_meta
+from torchtitan_omni.encoders.vision import (
+    VisionArgs, VisionEncoder, VisionRotary2D, merge_window_positions, patchify,
+)
 from torchtitan_omni.modules.init import init_context
 
 LLM_DIM = 24
@@ -170,3 +173,55 @@ def test_dummy_media_init_and_errors():
         enc({"patches": media["patches"]}, "video")
     with pytest.raises(ValueError, match="serves"):
         enc.processing("audio")
+
+
+def _reference_rotation(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Qwen2-VL's 2-D rotary in float64: rows rotate the first half of the frequencies,
+    columns the second, "rotate half" pairing."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d // 2, 2, dtype=torch.float64) / (d // 2))
+    freqs = (positions.double().unsqueeze(-1) * inv).flatten(-2)
+    angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(-2)
+    rotated = torch.cat([-x[..., d // 2:], x[..., :d // 2]], dim=-1)
+    return x * angles.cos() + rotated * angles.sin()
+
+
+def test_rotary_tables_match_the_float64_rotation():
+    rope = VisionRotary2D(head_dim=16, theta=10000.0)
+    g = torch.Generator().manual_seed(6)
+    positions = torch.randint(0, 64, (2, 40, 2), generator=g)
+    x = torch.randn(2, 40, 3, 16, generator=g, dtype=torch.float64)
+    cos, sin = rope.tables(positions)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (2, 40, 1, 16)
+    ref = _reference_rotation(x, positions, 10000.0)
+    # float32 tables: angles up to ~64 rad carry ~4e-6 of rounding
+    torch.testing.assert_close(apply_rotary(x, (cos, sin)), ref, rtol=0, atol=2e-5)
+    assert torch.equal(rope(x, positions), apply_rotary(x, (cos, sin)))
+    # float32 and bf16 inputs: the same float32 maths as before the tables were shared (bit for
+    # bit), cast back to the input's dtype
+    inv = rope.inverse_frequencies(torch.device("cpu"))
+    freqs = (positions.float().unsqueeze(-1) * inv).flatten(-2)
+    angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(-2)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        xf = xd.float()
+        old = (xf * angles.cos() + torch.cat([-xf[..., 8:], xf[..., :8]], -1) * angles.sin())
+        out = apply_rotary(xd, (cos, sin))
+        assert out.dtype == dtype and torch.equal(out, old.to(dtype)), dtype
+
+
+def test_blocks_share_the_encoders_rotary_tables():
+    """q and k rotated together from the encoder's tables equal each projection rotated alone
+    from the positions (the path Ulysses' overlapped runner takes)."""
+    enc = build()
+    attn = enc.blocks[0].attn
+    g = torch.Generator().manual_seed(7)
+    grid = [[2, 4, 6]]
+    positions = merge_window_positions(grid, 2, torch.device("cpu"))
+    x = torch.randn(positions.shape[0], enc.args.dim, generator=g, dtype=torch.float64)
+    shared = packed_meta([24, 24], x.device, positions, enc.rope.tables(positions))
+    own = packed_meta([24, 24], x.device, positions)
+    q, k, v = attn.project_qkv(x, shared)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), attn.project_qkv(x, own)))
+    for which, ref in zip("qkv", (q, k, v)):
+        torch.testing.assert_close(attn.project(x, which, own), ref, rtol=0, atol=1e-12)

@@ -155,9 +155,8 @@ class AudioEncoder(OmniEncoder):
         x = x + self.positions[: x.shape[1]].to(x.dtype)
         valid2 = torch.arange(x.shape[1], device=x.device).unsqueeze(0) < torch.tensor(
             half, device=x.device).unsqueeze(1)
-        x = x[valid2].unsqueeze(0)  # items back to back, valid frames only
-        x = run_blocks(self.blocks, x, packed_meta(half, x.device))
-        return x.squeeze(0), half
+        x = x[valid2]  # items back to back, valid frames only
+        return run_blocks(self.blocks, x, packed_meta(half, x.device)), half
 
     def lm_encode(self, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
         for key in ("features", "lengths"):

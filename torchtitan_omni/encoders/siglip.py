@@ -113,7 +113,7 @@ class SiglipEncoder(OmniEncoder):
         n, s, _ = x.shape
         # Each image is one document of the packed sequence (varlen attention, no mask).
         meta = packed_meta([s] * n, x.device)
-        x = run_blocks(self.blocks, x.reshape(1, n * s, -1), meta)
+        x = run_blocks(self.blocks, x.reshape(n * s, -1), meta)
         return self.post_norm(x).reshape(n, s, -1)
 
     # ----------------------------------------------------------------- contract

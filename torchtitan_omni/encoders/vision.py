@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_omni.encoders.blocks import (
-    EncoderBlock, FusedQKVAttention, QuickGeluMLP, packed_meta, run_blocks,
+    EncoderBlock, FusedQKVAttention, QuickGeluMLP, apply_rotary, packed_meta, run_blocks,
 )
 from torchtitan_omni.encoders.hf import Qwen2VLVisionAdapter
 from torchtitan_omni.encoders.projector import PatchMerger
@@ -145,7 +145,12 @@ def merge_window_positions(
 
 class VisionRotary2D(nn.Module):
     """2-D rotary embedding: the first half of each head's frequencies rotate by the patch row,
-    the second half by the column (Qwen2-VL's layout, "rotate half" pairing)."""
+    the second half by the column (Qwen2-VL's layout, "rotate half" pairing).
+
+    The encoder computes the tables once per forward (``tables``) and hands them to every
+    block through ``AttentionMeta.rope_tables``; the blocks only apply them
+    (``torchtitan_omni.encoders.blocks.apply_rotary``).
+    """
 
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
         super().__init__()
@@ -157,15 +162,19 @@ class VisionRotary2D(nn.Module):
         exponent = torch.arange(0, axis_dim, 2, dtype=torch.float64, device=device) / axis_dim
         return (1.0 / self.theta**exponent).float()
 
+    def tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, signed sin)`` ``[..., S, 1, D]`` of (row, column) ``position_ids``
+        ``[..., S, 2]``, as ``apply_rotary`` takes them."""
+        inv = self.inverse_frequencies(position_ids.device)
+        freqs = (position_ids.float().unsqueeze(-1) * inv).flatten(-2)  # [..., S, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        # both halves of a head share the angles; the first half's sine is negated
+        return (torch.cat([cos, cos], dim=-1).unsqueeze(-2),
+                torch.cat([-sin, sin], dim=-1).unsqueeze(-2))
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[B, S, H, D]`` by (row, column) ``position_ids`` ``[B, S, 2]``."""
-        inv = self.inverse_frequencies(x.device)
-        freqs = (position_ids.float().unsqueeze(-1) * inv).flatten(-2)  # [B, S, D/2]
-        angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(-2)
-        xf = x.float()
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * angles.cos() + rotated * angles.sin()).to(x.dtype)
+        """Rotate ``x`` ``[..., S, H, D]`` by (row, column) ``position_ids`` ``[..., S, 2]``."""
+        return apply_rotary(x, self.tables(position_ids))
 
 
 class PatchEmbed(nn.Module):
@@ -235,13 +244,13 @@ class VisionEncoder(OmniEncoder):
 
     def lm_encode(self, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
         patches, grid = self._checked(media, modality)
-        x = self.patch_embed(patches).unsqueeze(0)
+        x = self.patch_embed(patches)
         # Built on the host from the grid already read, then one copy (no per-item kernels).
         positions = merge_window_positions(grid, self.args.merge_size, torch.device("cpu"))
-        positions = positions.to(x.device, non_blocking=True).unsqueeze(0)
-        meta = packed_meta(self._segments(grid), x.device, positions)
-        x = run_blocks(self.blocks, x, meta)
-        return self.merger(x.squeeze(0))
+        positions = positions.to(x.device, non_blocking=True)
+        # The rotary tables depend only on the positions: computed once for all the blocks.
+        meta = packed_meta(self._segments(grid), x.device, positions, self.rope.tables(positions))
+        return self.merger(run_blocks(self.blocks, x, meta))
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         init.trunc_normal_(self.patch_embed.weight, std=0.02)

@@ -193,7 +193,7 @@ def run_local(attn: "SelfAttention", x: torch.Tensor, meta: AttentionMeta) -> to
         o = _cached_attention(q, k, v, attn.causal and meta.causal)
     else:
         o = attn.core(q, k, v, meta)
-    return attn.wo(o.flatten(2))
+    return attn.wo(o.flatten(-2))
 
 
 class SelfAttention(nn.Module):
@@ -251,8 +251,11 @@ class SelfAttention(nn.Module):
     def core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta
     ) -> torch.Tensor:
-        """Attention over the full packed sequence: ``[B, S, H, D]`` in and out."""
+        """Attention over the full packed sequence: ``[B, S, H, D]`` in and out (or ``[T, H,
+        D]``: one packed sequence without a batch dimension, as the encoders run)."""
         causal = self.causal and meta.causal
+        if q.dim() == 3:
+            return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=causal)
         if meta.whole_rows and causal and q.is_cuda:
             return row_attention(q, k, v, causal)
         b, s = q.shape[:2]

@@ -26,6 +26,8 @@ class AttentionMeta:
     ``cu_seqlens`` and ``max_seqlen`` describe the documents of the *full* flattened
     ``B * S`` sequence, also under sequence parallelism (Ulysses attention sees the full
     sequence for a subset of heads). ``position_ids`` is ``[B, S_local]``: this rank's slice.
+    The encoders run one packed sequence without a batch dimension: ``position_ids`` ``[T]``
+    (``[T, 2]`` for the vision encoder's (row, column) positions).
     """
 
     cu_seqlens: torch.Tensor
@@ -39,6 +41,10 @@ class AttentionMeta:
     #: generation only: a ``torchtitan_omni.modules.attention.KVCache``; each row of the batch
     #: is then one sequence (no packing), and keys/values are appended to the cache
     kv_cache: object | None = None
+    #: rotary tables of ``position_ids`` computed once per forward by the module that owns the
+    #: rotary embedding (the vision encoder: ``VisionRotary2D.tables``), so that each block only
+    #: applies them; None: a block computes them from ``position_ids`` itself
+    rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Foundation(nn.Module, ABC):
