@@ -4,7 +4,8 @@ parallelism parity tests.
 The models are real framework parts (Llama-3 or Qwen3-MoE foundation, ``OmniModel``) plus two
 small encoders written here against the ``OmniEncoder`` contract (an image encoder over
 patches with per-item attention, and an audio encoder over mel frames), so that the tests do
-not depend on the size of the zoo's encoders.
+not depend on the size of the zoo's encoders; ``ModelSpec(zoo="llama_omni")`` is instead a
+registered spec's debug model (batches: ``tests.models.batches.mixed_batch``).
 
 ``parallel_step`` runs one training step's forward and backward the way ``OmniTrainer`` does
 (slice the SP share, global target counts over the ``loss`` mesh, ``OmniLoss``, backward);
@@ -156,10 +157,19 @@ class ModelSpec:
     encoder_mesh: str = "fsdp"
     layers: int = 2
     experts: int = 4
+    #: a registered model spec whose "debugmodel" flavor is built instead (the other fields
+    #: are then unused)
+    zoo: str = ""
 
 
 def build_model(spec: ModelSpec) -> OmniModel:
     """The tiny omni model described by ``spec`` (on the current default device)."""
+    if spec.zoo:
+        import torchtitan_omni.models  # noqa: F401  (registers the specs)
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        train_spec = get_train_spec(spec.zoo)
+        return train_spec.model_cls(train_spec.model_args["debugmodel"])
     if spec.moe:
         llm = Qwen3Moe(
             Qwen3MoeArgs(
@@ -390,14 +400,16 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def compare(grads: dict, ref: nn.Module, rtol: float = 1e-5) -> list[str]:
-    """Problems (name and relative error) where ``grads`` differ from ``ref``'s gradients."""
+def compare(grads: dict, ref: nn.Module | dict, rtol: float = 1e-5) -> list[str]:
+    """Problems (name and relative error) where ``grads`` differ from ``ref``'s gradients
+    (``ref``: a module, or another run's :func:`full_grads`)."""
     problems = []
-    ref_grads = dict(ref.named_parameters())
+    ref_grads = ({n: p.grad for n, p in ref.named_parameters()} if isinstance(ref, nn.Module)
+                 else ref)
     if set(grads) != set(ref_grads):
         return [f"parameter names differ: {sorted(set(grads) ^ set(ref_grads))}"]
     for name, g in grads.items():
-        r = ref_grads[name].grad
+        r = ref_grads[name]
         if (g is None) != (r is None):
             problems.append(f"{name}: grad is None on one side only ({g is None}, {r is None})")
             continue

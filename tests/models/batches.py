@@ -33,9 +33,11 @@ def _media(encoder, modality: str, g: torch.Generator) -> dict[str, torch.Tensor
     raise ValueError(f"no test media for {modality}")
 
 
-def mixed_batch(model, vocab: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def mixed_batch(model, vocab: int, seed: int = 0, multiple: int = 1
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """``(batch, labels)`` with two rows: row 0 text + every encoder modality, row 1 text +
-    every decoder's targets (and a second document), padded to one length."""
+    every decoder's targets (and a second document), padded to one length, a multiple of
+    ``multiple`` (e.g. the Ulysses degree)."""
     g = torch.Generator().manual_seed(seed)
     batch: dict[str, torch.Tensor] = {}
     rows: list[list[tuple[str, object]]] = [[], []]  # (kind, payload) segments per row
@@ -60,6 +62,7 @@ def mixed_batch(model, vocab: int, seed: int = 0) -> tuple[dict[str, torch.Tenso
         rows[1] += [("gen", (name, n)), text(2)]
 
     length = max(sum(_len(s) for s in r) for r in rows) + 3
+    length = -(-length // multiple) * multiple
     tokens = torch.zeros(2, length, dtype=torch.long)
     positions = torch.zeros_like(tokens)
     labels = torch.full_like(tokens, B.IGNORE_INDEX)

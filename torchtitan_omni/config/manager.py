@@ -9,6 +9,11 @@
   the wrong type raise :class:`ConfigError`, whose message names the file, section and key;
 - TorchTitan's warning about a missing ``model.hf_assets_path`` is left out when the job builds
   that folder itself (``torchtitan_omni.config.first_use``);
+- ``parallelism.parts`` (per-part layouts, a table of tables) is checked in the TOML
+  (``torchtitan_omni.config.parts``); on the command line only a key the TOML already sets can
+  be overridden (``--parallelism.parts.encoders.vision.fsdp_mesh fsdp``: tyro's parse of a
+  table it knows), anything else there is refused with one line (tyro would guess the nesting
+  of a new table);
 - the parsed config is checked by ``torchtitan_omni.config.validate``.
 """
 
@@ -33,6 +38,7 @@ from torchtitan.config import ConfigManager, JobConfig
 
 from torchtitan_omni.config.first_use import built_on_first_use, held_assets_warning
 from torchtitan_omni.config.merge import OMNI_CONFIG_MODULE, omni_config_class
+from torchtitan_omni.config.parts import table_problem
 from torchtitan_omni.config.validate import validate_job_config
 from torchtitan_omni.errors import ConfigError
 
@@ -97,7 +103,7 @@ class OmniConfigManager(ConfigManager):
         config_cls = omni_config_class(custom_config_module(args, toml_values))
         if toml_values:
             self._check_toml(config_cls, toml_values)
-        check_cli_keys(config_cls, args)
+        check_cli_keys(config_cls, args, toml_values)
         config = self._parse_cli_values(args)
         validate_job_config(config)
         return config
@@ -120,6 +126,10 @@ class OmniConfigManager(ConfigManager):
                 if not isinstance(value, dict):
                     raise ConfigError(f"'{full}'{src} must be a table [{full}], got {value!r}")
                 self._check_toml(tp, value, full)  # type: ignore[arg-type]
+            elif full in _TABLE_CHECKS:
+                problem = _TABLE_CHECKS[full](value)
+                if problem:
+                    raise ConfigError(f"{problem}{src}")
             elif not _matches(value, tp):
                 raise ConfigError(
                     f"'{full}'{src} must be {_type_name(tp)}, got {value!r} "
@@ -147,6 +157,8 @@ class OmniConfigManager(ConfigManager):
         return config
 
 
+#: keys whose value is a table of tables, checked by their own function (not by annotation)
+_TABLE_CHECKS = {"parallelism.parts": table_problem}
 _CONFIG_FILE_KEYS = ("--job.config_file", "--job.config-file")
 _CUSTOM_MODULE_KEYS = ("--job.custom_config_module", "--job.custom-config-module")
 
@@ -202,8 +214,10 @@ def custom_config_module(args: list[str], toml_values: dict[str, Any] | None) ->
     return job.get("custom_config_module") if isinstance(job, dict) else None
 
 
-def check_cli_keys(cls: type, args: list[str]) -> None:
-    """Every ``--section.key`` must name a field (tyro's own error is a page long)."""
+def check_cli_keys(cls: type, args: list[str], toml_values: dict[str, Any] | None = None
+                   ) -> None:
+    """Every ``--section.key`` must name a field (tyro's own error is a page long); in a table
+    of tables (``parallelism.parts``) only a key that ``toml_values`` sets."""
     for arg in args:
         if not arg.startswith("--") or arg in ("--help", "-h"):
             continue
@@ -223,6 +237,26 @@ def check_cli_keys(cls: type, args: list[str]) -> None:
                     f"{_suggest(part, list(names))}"
                 )
             tp = names[part]
+            key = ".".join(parts[:depth + 1])
+            if key in _TABLE_CHECKS:
+                _check_table_override(key, ".".join(parts[depth + 1:]), name, toml_values)
+                break
+
+
+def _check_table_override(key: str, rest: str, name: str,
+                          toml_values: dict[str, Any] | None) -> None:
+    """``--<key>.<entry>.<leaf>`` overrides a leaf the TOML sets; anything else is refused."""
+    table: Any = toml_values or {}
+    for part in key.split("."):
+        table = table.get(part, {}) if isinstance(table, dict) else {}
+    known = {f"{entry}.{leaf}" for entry, values in table.items() if isinstance(values, dict)
+             for leaf in values}
+    if rest in known:
+        return
+    raise ConfigError(
+        f"--{name}: {key} tables are set in the TOML config, e.g. "
+        f'[{key}."encoders.vision"] fsdp_mesh = "none"; the command line can only change a key '
+        "the TOML sets")
 
 
 def _first_message(text: str) -> str:

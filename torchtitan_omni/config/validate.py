@@ -5,7 +5,8 @@ table of what the omni trainer honours (``torchtitan_omni.config.unsupported``: 
 then value checks), the parallel degrees against the world size, torchtitan-omni's own
 sections, the model name and flavor, and the model-dependent constraints the spec's model args
 declare (``validate_parallelism``: Ulysses degree vs. attention heads, expert-parallel degree
-vs. experts), and the ``[lora]`` settings against the model's module names.
+vs. experts), the per-part layouts (``parallelism.parts``) against the model's parts, and the
+``[lora]`` settings against the model's module names.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import get_train_spec
 
 import torchtitan_omni.models  # noqa: F401  (registers the zoo's specs, which are checked here)
+from torchtitan_omni.config.parts import table_problem
 from torchtitan_omni.config.unsupported import check_values, refuse_unsupported
 from torchtitan_omni.config.values import Context
 from torchtitan_omni.data.default_dataset import DEFAULT_NAME
 from torchtitan_omni.data.loader import build_omni_dataloader, check_data_config
 from torchtitan_omni.data.tokenizer import tokenizer_folder
-from torchtitan_omni.distributed.checks import plan_problem
+from torchtitan_omni.distributed.checks import parts_problem, plan_problem
 from torchtitan_omni.errors import ConfigError, OmniInputError
 from torchtitan_omni.lora import apply_lora_config
 from torchtitan_omni.protocols.model import llm_layers_problem
@@ -88,6 +90,9 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raise :class:`ConfigError` for the first impossible setting found."""
     world_size = world_size_from_env() if world_size is None else world_size
     refuse_unsupported(cfg)
+    problem = table_problem(cfg.parallelism.parts)
+    if problem:
+        raise ConfigError(problem)
     degrees = resolved_degrees(cfg, world_size)
     check_values(cfg, Context(world_size, degrees))
     factor = cfg.parallelism.expert_capacity_factor
@@ -166,6 +171,7 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
             raise ConfigError(problem)
     _validate_plan(spec, args, degrees["ulysses_degree"], cfg.parallelism.expert_parallel_degree,
                    cfg.parallelism.expert_capacity_factor)
+    _validate_parts(cfg, spec, args, degrees)
     _validate_lora(cfg, spec, args)
 
 
@@ -213,6 +219,21 @@ def _validate_plan(spec, args, ulysses_degree: int, ep_degree: int,
         return
     model = _model_on_meta(spec, args)
     problem = plan_problem(model, ulysses_degree, ep_degree, capacity_factor)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _validate_parts(cfg: JobConfig, spec, args, degrees: dict[str, int]) -> None:
+    """The per-part layouts (``parallelism.parts``) and the encoders' "balance" mode on the
+    model built on the meta device (``checks.parts_problem``)."""
+    encoder_ranks = (degrees["data_parallel_replicate_degree"]
+                     * degrees["data_parallel_shard_degree"] * degrees["ulysses_degree"])
+    balance = encoder_ranks > 1 and (
+        cfg.parallelism.encoder_sequence_parallel == "balance"
+        or any(t.get("sequence_parallel") == "balance" for t in cfg.parallelism.parts.values()))
+    if not (cfg.parallelism.parts or balance):
+        return
+    problem = parts_problem(_model_on_meta(spec, args), cfg, encoder_ranks)
     if problem:
         raise ConfigError(problem)
 

@@ -4,8 +4,9 @@ The LLM's units (the plan's ``ac_units`` of the ``llm`` part) follow TorchTitan'
 ``[activation_checkpoint]``: ``mode = "none" | "full" | "selective"``, where selective takes
 ``selective_ac_option`` = N (every N-th unit, counted per part) or ``"op"`` (every unit, saving
 the outputs of matmuls and attention and recomputing the rest). Encoder and decoder units
-follow ``omni.encoder_activation_checkpoint`` (``"none" | "full" | "op"``, the last being the
-per-op selective mode).
+follow their ``activation_checkpoint``: their ``[parallelism.parts."<part>"]`` table's, else
+``omni.encoder_activation_checkpoint`` (``"none" | "full" | "op"``, the last being the per-op
+selective mode).
 
 A checkpointed unit gets :class:`Checkpointed` first in its class
 (``torchtitan_omni.modules.wrapping.extend_class``), whose ``forward`` runs the unit's own

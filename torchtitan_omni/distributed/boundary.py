@@ -26,7 +26,7 @@ encoders mask frames past ``lengths``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -236,15 +236,15 @@ def balance_metrics(encoders: nn.ModuleDict | dict) -> dict[str, float]:
     return out
 
 
-def install_balanced_encoders(encoders: nn.ModuleDict, group: ProcessGroup,
+def install_balanced_encoders(encoders: Mapping[str, nn.Module], group: ProcessGroup,
                               sp_group: ProcessGroup | None = None) -> list[str]:
     """Make each encoder balance its items over ``group`` (``sp_group``: the Ulysses ranks,
     which hold the same items); returns their names. Refuses an encoder without
     ``output_rows`` (the owner must know each item's embedding rows)."""
     for name, encoder in encoders.items():
         if getattr(type(encoder), "output_rows", None) is OmniEncoder.output_rows:
-            raise ValueError(f"parallelism.encoder_sequence_parallel = \"balance\" needs encoders "
-                             f"with output_rows; {name} ({type(encoder).__name__}) has none")
+            raise ValueError(f"sequence_parallel = \"balance\" needs encoders with "
+                             f"output_rows; {name} ({type(encoder).__name__}) has none")
     for encoder in encoders.values():
         extend_class(encoder, BalancedMediaEncoder, _omni_balance_group=group,
                      _omni_sp_group=sp_group)

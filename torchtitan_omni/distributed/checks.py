@@ -3,14 +3,20 @@
 Model specs call :func:`ulysses_problem` and :func:`expert_problem` from their args'
 ``validate_parallelism``; ``torchtitan_omni.config.validate`` also runs :func:`plan_problem`
 on the model built on the meta device, so a spec that forgets a check still fails at start-up,
-not in the middle of the first step.
+not in the middle of the first step, and :func:`parts_problem`, which checks the per-part
+layouts (``parallelism.parts``) against the parts the model has.
 """
 
 from __future__ import annotations
 
+import difflib
+from typing import Any
+
 import torch.nn as nn
 
+from torchtitan_omni.config.parts import DECODERS, ENCODER_ONLY, key_name, part_settings
 from torchtitan_omni.distributed.parallelize import matching_modules
+from torchtitan_omni.protocols.modules import OmniEncoder
 
 
 def ulysses_problem(
@@ -77,4 +83,56 @@ def plan_problem(model: nn.Module, ulysses_degree: int, expert_parallel_degree: 
             f"parallelism.expert_capacity_factor is {capacity_factor} but "
             f"{type(model).__name__} has no experts in its plan"
         )
+    return None
+
+
+def _unknown_part(model: nn.Module, part: str, names: list[str]) -> str:
+    listed = ", ".join(names) or "none"
+    if part == "llm" or part.startswith("llm."):
+        return (f"{key_name(part)}: the foundation is laid out by [activation_checkpoint] and "
+                f"the parallel degrees; parallelism.parts takes encoders and decoders ({listed})")
+    close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return (f"{key_name(part)}: {type(model).__name__} has no part {part!r} (its encoders and "
+            f"decoders: {listed}){hint}")
+
+
+def parts_problem(model: nn.Module, job_config: Any, encoder_ranks: int) -> str | None:
+    """The first problem of the per-part layouts (``parallelism.parts``) on this model, or
+    None: a part the model does not have, a key the part does not take (a decoder's
+    ``sequence_parallel``), a key that could not act (a mesh for a part outside the plan,
+    checkpointing for a part without ``ac_units``), and "balance" on an encoder without
+    ``output_rows`` (from either key) when ``encoder_ranks`` (data x SP ranks) > 1."""
+    encoders = getattr(model, "encoders", None) or {}
+    decoders = getattr(model, "decoders", None) or {}
+    names = [f"encoders.{n}" for n in encoders] + [f"decoders.{n}" for n in decoders]
+    plan = getattr(model, "parallel_plan", None)
+    layouts = plan.parts if plan is not None else ()
+    for part, table in (job_config.parallelism.parts or {}).items():
+        if part not in names:
+            return _unknown_part(model, part, names)
+        if part.startswith(DECODERS):
+            for key in ENCODER_ONLY:
+                if key in table:
+                    return (f"{key_name(part, key)}: decoders take no {key} (it chooses which "
+                            "ranks encode an encoder's media items); set it on encoders")
+        own = [p for p in layouts if p.root == part or p.root.startswith(part + ".")]
+        if "fsdp_mesh" in table and not own:
+            return (f"{key_name(part, 'fsdp_mesh')} cannot act: {type(model).__name__}'s "
+                    f"parallel plan has no layout for {part}")
+        mode = table.get("activation_checkpoint", "none")
+        if mode != "none" and not any(p.ac_units for p in own):
+            return (f'{key_name(part, "activation_checkpoint")} = "{mode}" cannot act: the '
+                    f"parallel plan of {part} lists no activation-checkpoint units (ac_units)")
+    if encoder_ranks > 1:
+        for name, encoder in encoders.items():
+            part = f"encoders.{name}"
+            settings = part_settings(job_config, part)
+            if settings.sequence_parallel != "balance":
+                continue
+            if getattr(type(encoder), "output_rows", None) is OmniEncoder.output_rows:
+                key = (key_name(part, "sequence_parallel") if "sequence_parallel" in settings.own
+                       else "parallelism.encoder_sequence_parallel")
+                return (f'{key} = "balance" needs encoders with output_rows; {part} '
+                        f"({type(encoder).__name__}) has none")
     return None

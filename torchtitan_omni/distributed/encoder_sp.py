@@ -22,6 +22,8 @@ otherwise every tensor's first dimension is the item count.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -70,7 +72,7 @@ def key_rows(media: dict[str, torch.Tensor], rows: list[int] | None = None) -> d
             raise ValueError(
                 f"media tensor {key!r} has {t.shape[0]} rows, neither the {n_items} items nor "
                 f"their {n_rows} patches; cannot split it between ranks (use "
-                "parallelism.encoder_sequence_parallel = \"replicate\")"
+                "sequence_parallel = \"replicate\" for this encoder)"
             )
     return out
 
@@ -108,7 +110,7 @@ class SplitMediaEncoder(nn.Module):
         return gather_rows(local, [int(s) for s in torch.cat(gathered).tolist()], group)
 
 
-def install_split_encoders(encoders: nn.ModuleDict, group: ProcessGroup) -> list[str]:
+def install_split_encoders(encoders: Mapping[str, nn.Module], group: ProcessGroup) -> list[str]:
     """Make each encoder split its media items over ``group``; returns their names."""
     for encoder in encoders.values():
         extend_class(encoder, SplitMediaEncoder, _omni_sp_group=group)

@@ -6,19 +6,24 @@ Order (each step reads the spec's ``OmniParallelPlan``):
    ``torchtitan_omni.lora``: adapters become parameters of their modules, everything else
    but ``lora.train_modules`` is frozen);
 2. Ulysses runners on the plan's ``sequence_parallel_attention`` modules (sync or async), and
-   the encoders' SP mode (``parallelism.encoder_sequence_parallel``: "split" over the SP
-   ranks, "balance" over every data and SP rank, ``distributed/boundary.py``);
+   each encoder's SP mode (its ``sequence_parallel``: "split" over the SP ranks, "balance"
+   over every data and SP rank, ``distributed/boundary.py``);
 3. expert parallel on the plan's ``experts`` modules (``ep`` mesh, all-to-all dispatcher), or
    the capacity-padded local dispatcher (``parallelism.expert_capacity_factor`` without EP);
-4. activation checkpointing of each part's ``ac_units``;
+4. activation checkpointing of each part's ``ac_units`` (its ``activation_checkpoint``);
 5. ``torch.compile`` of the same blocks and of the loss kernel (``[compile]``,
    ``torchtitan_omni.distributed.compile``); blocks that break the graph are compiled before
    step 4, so their checkpoint wraps the compiled pieces (not under per-op selective AC); then
    activation offload of the LLM's blocks (``omni.activation_offload``);
 6. FSDP2: experts over the expert mesh, then each part's groups (modules sharing a
-   parameter, one ``fully_shard`` of a list), units and the part over the part's mesh, then
-   the root. Every reduction is a plain sum (the loss is already divided by the
-   global target count; gloo has no AVG/PREMUL_SUM).
+   parameter, one ``fully_shard`` of a list), units and the part over the part's mesh (its
+   ``fsdp_mesh``), then the root. Every reduction is a plain sum (the loss is already divided
+   by the global target count; gloo has no AVG/PREMUL_SUM).
+
+An encoder's or decoder's layout keys (``fsdp_mesh``, ``sequence_parallel``,
+``activation_checkpoint``) come from its ``[parallelism.parts."<part>"]`` table, else from the
+global keys (``torchtitan_omni.config.parts.part_settings``); the model code stays
+layout-free.
 
 The model arrives on the meta device and leaves sharded, still on meta; the trainer then
 materializes only the local shards (``to_empty``) and runs the layout-invariant init.
@@ -38,6 +43,7 @@ from torch.distributed.tensor import Shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.tools.logging import logger
 
+from torchtitan_omni.config.parts import part_settings
 from torchtitan_omni.data.packing import BatchPlan
 from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
 from torchtitan_omni.distributed.activation_offload import offload_activations
@@ -115,15 +121,19 @@ def apply_ulysses(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDi
 
 
 # ----------------------------------------------------------------- FSDP
-def _part_mesh_choice(part: PartLayout, module: nn.Module, job_config: JobConfig) -> str:
-    override = job_config.parallelism.encoder_fsdp_mesh
-    # A wholly frozen part keeps the plan's mesh: the spec replicated it on purpose (e.g. a
+def part_mesh_choice(part: PartLayout, module: nn.Module, job_config: JobConfig) -> str:
+    """The FSDP mesh ("fsdp", "dp_shard", "none") of plan part ``part`` (``module``)."""
+    if is_llm_part(part):
+        return part.mesh
+    settings = part_settings(job_config, part.root)
+    # A wholly frozen part keeps the plan's mesh under a key that is not its own (the global
+    # key, a decoder's table for its sub-part): the spec replicated it on purpose (e.g. a
     # frozen VQ tokenizer: sharding it would add an all-gather per step and save no optimizer
-    # state).
+    # state). Its own table's fsdp_mesh is the user's choice for exactly this part.
     frozen = not any(p.requires_grad for p in module.parameters())
-    if override != "plan" and not is_llm_part(part) and not frozen:
-        return override
-    return part.mesh
+    if settings.fsdp_mesh == "plan" or (frozen and "fsdp_mesh" not in settings.own):
+        return part.mesh
+    return settings.fsdp_mesh
 
 
 def _expert_shard_placement(local_experts: int, efsdp: int, params: list[nn.Parameter]):
@@ -188,7 +198,7 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
     choices = {}
     for part in plan.parts:
         root = model.get_submodule(part.root)
-        choice = _part_mesh_choice(part, root, job_config)
+        choice = part_mesh_choice(part, root, job_config)
         mesh = dims.part_mesh(choice)
         prefix = part.root + "."
         # fp32 modules get their own unit (their own mixed-precision policy) first.
@@ -217,7 +227,8 @@ def apply_activation_checkpointing(
     model: nn.Module, plan: OmniParallelPlan, job_config: JobConfig
 ) -> dict[str, int]:
     """Checkpoint each part's ``ac_units``: LLM by ``[activation_checkpoint]``, encoders and
-    decoders by ``omni.encoder_activation_checkpoint``; returns units wrapped per part."""
+    decoders by their ``activation_checkpoint`` (``parallelism.parts``, else
+    ``omni.encoder_activation_checkpoint``); returns units wrapped per part."""
     ac = job_config.activation_checkpoint
     done = {}
     for part in plan.parts:
@@ -226,7 +237,7 @@ def apply_activation_checkpointing(
             n = checkpoint_units(units, ac.mode, str(ac.selective_ac_option),
                                  preserve_rng_state=ac.preserve_rng_state)
         else:
-            mode = job_config.omni.encoder_activation_checkpoint
+            mode = part_settings(job_config, part.root).activation_checkpoint
             n = (checkpoint_units(units, "selective", "op") if mode == "op"
                  else checkpoint_units(units, mode))
         if n:
@@ -235,11 +246,12 @@ def apply_activation_checkpointing(
 
 
 # ----------------------------------------------------------------- torch.compile
-def _per_op_ac(job_config: JobConfig) -> bool:
+def _per_op_ac(plan: OmniParallelPlan, job_config: JobConfig) -> bool:
     """Whether some part uses per-op selective activation checkpointing."""
     ac = job_config.activation_checkpoint
     return ((ac.mode == "selective" and str(ac.selective_ac_option) == "op")
-            or job_config.omni.encoder_activation_checkpoint == "op")
+            or any(part_settings(job_config, p.root).activation_checkpoint == "op"
+                   for p in plan.parts if not is_llm_part(p)))
 
 
 def apply_compile(model: nn.Module, plan: OmniParallelPlan, job_config: JobConfig,
@@ -261,6 +273,41 @@ def apply_compile(model: nn.Module, plan: OmniParallelPlan, job_config: JobConfi
     if "loss" in cfg.components and graph_breaks is not True:
         done["loss heads"] = compile_loss_heads(model, cfg.backend)
     return done
+
+
+# ----------------------------------------------------------------- encoders' SP modes
+def encoder_modes(model: nn.Module, job_config: JobConfig) -> dict[str, str]:
+    """Each encoder's ``sequence_parallel`` mode: its ``parallelism.parts`` table's, else
+    ``parallelism.encoder_sequence_parallel``."""
+    encoders = getattr(model, "encoders", None) or {}
+    return {name: part_settings(job_config, f"encoders.{name}").sequence_parallel
+            for name in encoders}
+
+
+def apply_encoder_modes(model: nn.Module, dims: OmniParallelDims,
+                        job_config: JobConfig) -> dict[str, list[str]]:
+    """Install each encoder's SP mode: "split" over the SP ranks (under Ulysses), "balance"
+    over every data and SP rank (when there are several); "replicate" installs nothing.
+    Encoders of different modes run in one step: each issues its own collectives, in the
+    model's encoder order on every rank. Returns the encoders per installed mode."""
+    modes = encoder_modes(model, job_config)
+    encoders = cast(nn.ModuleDict, getattr(model, "encoders", {}))
+    chosen = {mode: {n: encoders[n] for n, m in modes.items() if m == mode}
+              for mode in ("split", "balance")}
+    installed = {}
+    if dims.sp_enabled and chosen["split"]:
+        group = dims.get_mesh("sp").get_group()
+        installed["split"] = install_split_encoders(chosen["split"], group)
+        logger.info(f"Encoders split media items over SP ranks: {', '.join(installed['split'])}")
+    encoder_ranks = dims.dp_replicate * dims.dp_shard * dims.sp
+    if chosen["balance"] and encoder_ranks > 1:
+        # every rank encodes (pp = tp = 1): the balancing group is the flattened loss mesh
+        sp_group = dims.get_mesh("sp").get_group() if dims.sp_enabled else None
+        installed["balance"] = install_balanced_encoders(
+            chosen["balance"], dims.get_mesh("loss").get_group(), sp_group)
+        logger.info(f"Encoders balance media items over {encoder_ranks} ranks: "
+                    f"{', '.join(installed['balance'])}")
+    return installed
 
 
 # ----------------------------------------------------------------- expert dispatch
@@ -315,18 +362,7 @@ def parallelize_omni(
         names = apply_ulysses(model, plan, dims, p.ulysses_async)
         logger.info(f"Ulysses SP{dims.sp} ({'async' if p.ulysses_async else 'sync'}) on "
                     f"{len(names)} attention modules")
-        if p.encoder_sequence_parallel == "split" and len(getattr(model, "encoders", ())):
-            split = install_split_encoders(model.encoders, dims.get_mesh("sp").get_group())
-            logger.info(f"Encoders split media items over SP ranks: {', '.join(split)}")
-
-    encoder_ranks = dims.dp_replicate * dims.dp_shard * dims.sp
-    if p.encoder_sequence_parallel == "balance" and len(getattr(model, "encoders", ())) \
-            and encoder_ranks > 1:
-        # every rank encodes (pp = tp = 1): the balancing group is the flattened loss mesh
-        sp_group = dims.get_mesh("sp").get_group() if dims.sp_enabled else None
-        encoders = cast(nn.ModuleDict, model.encoders)
-        names = install_balanced_encoders(encoders, dims.get_mesh("loss").get_group(), sp_group)
-        logger.info(f"Encoders balance media items over {encoder_ranks} ranks: {', '.join(names)}")
+    apply_encoder_modes(model, dims, job_config)
 
     expert_names = apply_expert_dispatch(model, plan, dims, job_config)
 
@@ -334,7 +370,7 @@ def parallelize_omni(
     # around it (torchtitan_omni.distributed.compile). Per-op selective AC cannot run compiled
     # code inside its checkpoint: there, such blocks are left to dynamo around the checkpoint,
     # which runs them eagerly.
-    inside = not _per_op_ac(job_config)
+    inside = not _per_op_ac(plan, job_config)
     pieces = apply_compile(model, plan, job_config, graph_breaks=True) if inside else {}
     if pieces:
         logger.info("torch.compile, with graph breaks: "
