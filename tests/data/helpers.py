@@ -73,3 +73,18 @@ def write_mp4(path, frames: np.ndarray, fps: int) -> str:
 
     _write(str(path), frames, fps)
     return str(path)
+
+
+def loader_batches(cfg, split: str, n: int, processing: dict) -> list:
+    """Up to ``n`` ``(batch, labels)`` of one pass over ``split`` through the real loader (no
+    workers), with the given processing configs."""
+    from torchtitan_omni.data.loader import build_omni_dataloader
+
+    loader = build_omni_dataloader(1, 0, None, cfg, split=split, infinite=False,
+                                   processing=processing, num_workers=0)
+    out = []
+    for batch, labels in loader:
+        out.append((batch, labels))
+        if len(out) == n:
+            break
+    return out

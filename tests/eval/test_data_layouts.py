@@ -16,7 +16,7 @@ import os
 
 
 from tests.data.helpers import SMALL_PROCESSING, job_config, tokenizer_dir, write_png
-from torchtitan_omni.data.loader import build_omni_dataloader
+from tests.data.helpers import loader_batches as _batches
 from torchtitan_omni.eval.validator import validation_job_config, validation_problem
 
 
@@ -34,17 +34,6 @@ def _fineweb_shard(path, start: int, rows: int) -> None:
         "language": ["en"] * rows, "language_score": [0.9] * rows,
         "token_count": [12] * rows,
     }), path)
-
-
-def _batches(cfg, split: str, n: int, processing) -> list:
-    loader = build_omni_dataloader(1, 0, None, cfg, split=split, infinite=False,
-                                   processing=processing, num_workers=0)
-    out = []
-    for batch, labels in loader:
-        out.append((batch, labels))
-        if len(out) == n:
-            break
-    return out
 
 
 def test_fineweb_parquet_shards_as_train_and_val_folders(tmp_path):

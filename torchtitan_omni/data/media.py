@@ -24,7 +24,9 @@ def resolve(ref: Any, root: str, kind: str, source: Source | None) -> tuple[Any,
     """(path or file object, display name) of one media reference."""
     if isinstance(ref, dict):
         if ref.get("bytes") is not None:
-            return resolve(ref["bytes"], root, kind, source)
+            target, name = resolve(ref["bytes"], root, kind, source)
+            # the struct's path (the file the bytes came from) tells one row's bytes from another
+            return target, (f"{name} of {ref['path']!r}" if ref.get("path") else name)
         if ref.get("path") is not None:
             return resolve(ref["path"], root, kind, source)
         raise BadSample(

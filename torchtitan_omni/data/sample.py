@@ -9,7 +9,13 @@ Accepted row shapes (one JSONL line or Parquet row; docs/data.md has examples):
   (ShareGPT / LLaVA);
 - ``{"text": "..."}`` plain text (may hold placeholders: interleaved documents);
 - ``{"caption": "...", "gen_image": <ref>}`` image generation, short for a user turn with the
-  caption and an assistant turn ``<gen_image>``.
+  caption and an assistant turn ``<gen_image>``;
+- ``{"question_audio": <ref>, "answer": "..."}`` a spoken question and its text answer
+  (VoiceAssistant-400K): a user turn ``<audio>``, an assistant turn with the answer.
+
+LLaVA-Video rows mark their video with ``<image>``: a sample with videos, no images and no
+``<video>`` placeholder, whose ``<image>`` placeholders are as many as its videos, reads them
+as ``<video>``.
 
 Media live under each registered modality's row keys (``torchtitan_omni.protocols.modality``;
 ``images``/``image``, ``videos``/``video``, ``audios``/``audio``, ``gen_images``/``gen_image``
@@ -30,7 +36,7 @@ from torchtitan_omni.data.bad_samples import (
     UNKNOWN_PLACEHOLDER, BadSample, Source,
 )
 from torchtitan_omni.data.jsonl import UnreadableLine
-from torchtitan_omni.protocols.batch import GEN_IMAGE
+from torchtitan_omni.protocols.batch import AUDIO, GEN_IMAGE, IMAGE, VIDEO
 from torchtitan_omni.protocols.modality import (
     get_modality, modalities, modality_names, registry_version,
 )
@@ -39,6 +45,10 @@ ROLE_ALIASES = {
     "system": "system", "user": "user", "human": "user", "assistant": "assistant",
     "gpt": "assistant", "model": "assistant", "bot": "assistant",
 }
+
+
+#: the row key of a spoken question (VoiceAssistant-400K), answered by the row's "answer"
+QUESTION_AUDIO = "question_audio"
 
 
 def media_keys() -> dict[str, tuple[str, ...]]:
@@ -186,6 +196,45 @@ def _merge_inline(media, inline, source) -> None:
             media[modality] = given
 
 
+def _audio_question(row: dict, media: dict[str, list[Any]], source: Source) -> list[Turn]:
+    """The turns of a spoken question and its text answer. The row's ``question`` (the audio's
+    transcript in VoiceAssistant-400K) is not shown: the model is to listen to the question."""
+    if media[AUDIO]:
+        raise BadSample(MALFORMED, f"both {QUESTION_AUDIO!r} and an audio list are set", source)
+    answer = row.get("answer")
+    if not isinstance(answer, str):
+        raise BadSample(MALFORMED, f"{QUESTION_AUDIO!r} with an 'answer' of type "
+                        f"{type(answer).__name__}, not a string", source)
+    media[AUDIO] = _as_list(row[QUESTION_AUDIO])
+    return [Turn("user", st.placeholder(AUDIO) * len(media[AUDIO])), Turn("assistant", answer)]
+
+
+def _rewrite(text: str, old: str, new: str) -> str:
+    """``text`` with each ``old`` placeholder written as ``new``'s (other text kept as is)."""
+    return "".join(
+        piece if isinstance(piece, str) else st.placeholder(new if piece[0] == old else piece[0])
+        for piece in split_placeholders(text)
+    )
+
+
+def _video_as_image_placeholders(sample: Sample) -> None:
+    """LLaVA-Video's convention: ``<image>`` placeholders standing for the row's videos."""
+    videos = len(sample.media.get(VIDEO, []))
+    if not videos or sample.media.get(IMAGE):
+        return
+    counts = {IMAGE: 0, VIDEO: 0}
+    for _, text in sample.segments():
+        for piece in split_placeholders(text):
+            if isinstance(piece, tuple) and piece[0] in counts:
+                counts[piece[0]] += 1
+    if counts[VIDEO] or counts[IMAGE] != videos:
+        return  # not that convention: the placeholder check says what does not match
+    if sample.turns is None:
+        sample.text = _rewrite(sample.text or "", IMAGE, VIDEO)
+    for turn in sample.turns or []:
+        turn.text = _rewrite(turn.text, IMAGE, VIDEO)
+
+
 def _check_placeholders(sample: Sample) -> None:
     counts = dict.fromkeys(modality_names(), 0)
     known = _modality_of()
@@ -235,6 +284,8 @@ def parse_row(row: dict, source: Source) -> Sample:
     elif row.get("conversations") is not None:
         sample = Sample(source, turns=_turns("conversations", row["conversations"], "from",
                                              "value", media, inline, source))
+    elif row.get(QUESTION_AUDIO) is not None:
+        sample = Sample(source, turns=_audio_question(row, media, source))
     elif row.get("caption") is not None and media[GEN_IMAGE]:
         sample = Sample(source, turns=[
             Turn("user", str(row["caption"])), Turn("assistant", st.placeholder(GEN_IMAGE))
@@ -251,10 +302,12 @@ def parse_row(row: dict, source: Source) -> Sample:
         keys = ", ".join(sorted(k for k, v in row.items() if v is not None)) or "none"
         raise BadSample(
             MALFORMED,
-            f"no 'messages', 'conversations', 'text' or 'caption'+'gen_image' (keys: {keys})",
+            f"no 'messages', 'conversations', 'text', 'caption'+'gen_image' or "
+            f"'question_audio'+'answer' (keys: {keys})",
             source,
         )
     _merge_inline(media, inline, source)
     sample.media = {m: v for m, v in media.items() if v}
+    _video_as_image_placeholders(sample)
     _check_placeholders(sample)
     return sample

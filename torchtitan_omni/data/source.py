@@ -9,6 +9,9 @@ epoch visits all rows in a fresh seeded permutation; shard ``s`` of ``n`` takes 
 shuffled per epoch); whole files go to shards when their number divides evenly, else every
 ``n``-th row. Either way a shard's rows are numbered ``q = 0, 1, ...`` per epoch, which is all
 the resumable state needs.
+
+A dataset root holding a class-name mapping is a folder of ImageNet-style class folders
+(``torchtitan_omni.data.image_folders``): each class folder of the split is read as one file.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import datasets
 import numpy as np
 
 from torchtitan_omni.data.bad_samples import Source
+from torchtitan_omni.data.image_folders import MAPPING_FILES, ClassFolder, class_folders
 from torchtitan_omni.data.jsonl import JsonlFile
 from torchtitan_omni.errors import DataFileError
 
@@ -45,11 +49,15 @@ def file_format(path: str, fmt: str = "auto") -> str:
 
 
 def find_files(path: str, split: str) -> list[str]:
-    """Data files of ``split`` under the dataset root ``path`` (or ``path`` itself, a file)."""
+    """Data files of ``split`` under the dataset root ``path`` (or ``path`` itself, a file); the
+    class folders of the split when ``path`` holds a class-name mapping."""
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
         raise FileNotFoundError(f"dataset path {path} does not exist")
+    folders = class_folders(path, split)
+    if folders is not None:
+        return folders
     found: set[str] = set()
     for ext in _EXTENSIONS:
         for pattern in (f"{split}{ext}", f"{split}-*{ext}", f"{split}_*{ext}", f"{split}/**/*{ext}",
@@ -59,7 +67,8 @@ def find_files(path: str, split: str) -> list[str]:
         listing = ", ".join(sorted(os.listdir(path))[:20]) or "nothing"
         raise FileNotFoundError(
             f"no data files for split {split!r} in {path} (looked for {split}.jsonl, "
-            f"{split}-*.parquet, {split}/*.jsonl, ...; it holds: {listing})"
+            f"{split}-*.parquet, {split}/*.jsonl, ..., or {MAPPING_FILES[0]} beside "
+            f"{split}/<class>/ folders; it holds: {listing})"
         )
     return sorted(found)
 
@@ -104,8 +113,11 @@ class ParquetFile:
             yield row, None
 
 
-def open_file(path: str, fmt: str = "auto") -> JsonlFile | ParquetFile:
-    """The reader of one data file (``data.format``: "auto" picks by extension)."""
+def open_file(path: str, fmt: str = "auto") -> JsonlFile | ParquetFile | ClassFolder:
+    """The reader of one data file (``data.format``: "auto" picks by extension) or class
+    folder."""
+    if os.path.isdir(path):
+        return ClassFolder(path)
     return ParquetFile(path) if file_format(path, fmt) == "parquet" else JsonlFile(path)
 
 
