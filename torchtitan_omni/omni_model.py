@@ -55,6 +55,31 @@ def _local_media(batch: dict[str, torch.Tensor], modality: str
     return (media, index) if media and index is not None else None
 
 
+def _merge(encoder: nn.Module, local: dict[str, dict[str, torch.Tensor]]
+           ) -> tuple[str, dict[str, torch.Tensor]]:
+    """One call's input for an encoder that merges modalities: the items of every modality in
+    ``local`` (modality -> media, model order) concatenated, and the modality to pass."""
+    keys = {frozenset(media) for media in local.values()}
+    if len(keys) > 1:
+        raise ValueError(f"{type(encoder).__name__} merges {', '.join(local)} but their media "
+                         f"tensors differ: {[sorted(k) for k in keys]}")
+    merged = {k: torch.cat([media[k] for media in local.values()]) for k in next(iter(keys))}
+    return next(iter(local)), merged
+
+
+def pass_media(batch: dict[str, torch.Tensor], encoder: nn.Module, modalities: Sequence[str]
+               ) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """What one pass of ``OmniModel.embed`` feeds ``encoder`` from this (local) batch:
+    ``(modality, media)``, merged over ``modalities`` as ``embed`` merges them, or None when
+    the batch has none of their media (``embed`` then runs the encoder's dummy item)."""
+    local = {m: carried[0] for m in modalities if (carried := _local_media(batch, m)) is not None}
+    if not local:
+        return None
+    if len(local) == 1:
+        return next(iter(local.items()))
+    return _merge(encoder, local)
+
+
 def _scatter_rows(h: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Replace ``h[b, s]`` by ``rows[index[b, s]]`` where ``index >= 0`` (out of place)."""
     mask = index >= 0
@@ -119,19 +144,26 @@ class OmniModel(ModelProtocol):
             )
         return counts
 
+    def encoder_passes(self, absent: Collection[str] = ()) -> list[tuple[str, tuple[str, ...]]]:
+        """The encoder calls ``embed`` makes, in order: ``(encoder name, modalities)``, one per
+        modality, or one for all of an encoder's modalities when it merges them. Non-colocated
+        encoder ranks replay this order (``torchtitan_omni.distributed.noncolocated``)."""
+        passes = []
+        for enc_name, encoder in self.encoders.items():
+            modalities = tuple(
+                m for m, e in self.encoder_of.items() if e == enc_name and m not in absent
+            )
+            groups = [modalities] if encoder.merge_modalities else [(m,) for m in modalities]
+            passes += [(enc_name, g) for g in groups if g]
+        return passes
+
     # ----------------------------------------------------------------- forward
     def embed(self, tokens: torch.Tensor, batch: dict[str, torch.Tensor],
               absent: Collection[str] = ()) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Input embeddings with media scattered in, and the decoders' target ids."""
         h = self.llm.tok_embeddings(tokens)
-        for enc_name, encoder in self.encoders.items():
-            modalities = [
-                m for m, e in self.encoder_of.items() if e == enc_name and m not in absent
-            ]
-            passes = [modalities] if encoder.merge_modalities else [[m] for m in modalities]
-            for group in passes:
-                if group:
-                    h = self._encode(h, encoder, group, batch)
+        for enc_name, group in self.encoder_passes(absent):
+            h = self._encode(h, self.encoders[enc_name], list(group), batch)
         targets: dict[str, torch.Tensor] = {}
         for name, decoder in self.decoders.items():
             if name in absent:
@@ -165,12 +197,8 @@ class OmniModel(ModelProtocol):
         if len(local) == 1:
             (modality, (media, index)), = local.items()
             return _scatter_rows(h, index, encoder(media, modality))
-        keys = {frozenset(media) for media, _ in local.values()}
-        if len(keys) > 1:
-            raise ValueError(f"{type(encoder).__name__} merges {', '.join(local)} but their media "
-                             f"tensors differ: {[sorted(k) for k in keys]}")
-        merged = {k: torch.cat([media[k] for media, _ in local.values()]) for k in next(iter(keys))}
-        rows = encoder(merged, next(iter(local)))
+        modality, merged = _merge(encoder, {m: media for m, (media, _) in local.items()})
+        rows = encoder(merged, modality)
         sizes = [encoder.output_rows(media, modality) for modality, (media, _) in local.items()]
         for (_, index), part in zip(local.values(), rows.split(sizes)):
             h = _scatter_rows(h, index, part)

@@ -118,6 +118,9 @@ def test_frozen_parts_keep_the_plan_mesh_unless_their_own_table_says_otherwise()
     ('[parallelism.parts."encoders.audio"]\nactivation_checkpoint = true\n',
      'parallelism.parts."encoders.audio".activation_checkpoint must be one of \'none\', '
      "'full', 'op', got True"),
+    ('[parallelism.parts."encoders.vision"]\nranks = [0]\n',
+     'parallelism.parts."encoders.vision".ranks: non-colocated encoders (a disjoint rank set) '
+     "are not yet supported by the trainer"),
     ('[parallelism.parts."encoders.vision"]\nsequence_parallel = "scatter"\n',
      "must be one of 'replicate', 'split', 'balance', got 'scatter'"),
     ('[parallelism.parts]\n"encoders.vision" = "none"\n',

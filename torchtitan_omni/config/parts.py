@@ -8,6 +8,9 @@ A table is keyed by a part's qualified name as the model names it (``"encoders.v
   ("replicate", "split", "balance");
 - ``activation_checkpoint``: as ``omni.encoder_activation_checkpoint`` ("none", "full", "op").
 
+``ranks`` (non-colocated encoders, ``torchtitan_omni.distributed.noncolocated``) is refused
+with one line: the trainer does not run that layout yet.
+
 A key a table leaves out takes the global key's value. The allowed values are read from the
 global keys' annotations, so the two cannot drift apart.
 
@@ -31,6 +34,11 @@ GLOBAL_KEYS = {
     "fsdp_mesh": ("parallelism", "encoder_fsdp_mesh"),
     "sequence_parallel": ("parallelism", "encoder_sequence_parallel"),
     "activation_checkpoint": ("omni", "encoder_activation_checkpoint"),
+}
+#: keys designed but not yet taken by the trainer -> why they are refused
+PLANNED = {
+    "ranks": "non-colocated encoders (a disjoint rank set) are not yet supported by the "
+             "trainer (torchtitan_omni.distributed.noncolocated; docs/parallelism.md)",
 }
 #: keys that only encoders take
 ENCODER_ONLY = ("sequence_parallel",)
@@ -71,6 +79,8 @@ def table_problem(parts: Any) -> str | None:
             return (f"{key_name(part)} must be a table ([{key_name(part)}] with keys "
                     f"{', '.join(GLOBAL_KEYS)}), got {table!r}")
         for key, value in table.items():
+            if key in PLANNED:
+                return f"{key_name(part, key)}: {PLANNED[key]}"
             if key not in CHOICES:
                 return (f"unknown key {key_name(part, key)} (keys: {', '.join(GLOBAL_KEYS)})"
                         f"{_suggest(key, list(GLOBAL_KEYS))}")

@@ -104,7 +104,9 @@ def imbalance(per_rank: list[float]) -> float:
     return max(per_rank) / mean if mean > 0 else 1.0
 
 
-def _pad_to(t: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
+def pad_tail(t: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
+    """``t`` zero-padded at the end of each trailing dimension to ``tail`` (the group's
+    largest per-item shape)."""
     # F.pad takes (left, right) pairs from the last dimension backwards.
     pad = [p for have, want in zip(reversed(t.shape[1:]), reversed(tail)) for p in (0, want - have)]
     return F.pad(t, pad) if any(pad) else t
@@ -151,7 +153,7 @@ def balanced_encode(
     received = {}
     for key in keys:
         tail = tuple(max(m["tails"][key][d] for m in meta) for d in range(len(mine["tails"][key])))
-        padded = _pad_to(media[key], tail)
+        padded = pad_tail(media[key], tail)
         pieces = padded.split(spans[key])
         send = torch.cat([pieces[i] for i in order]) if order else padded[:0]
         in_splits = [sum(spans[key][i] for i in order if dest[rank][i] == d) for d in range(world)]

@@ -1,0 +1,192 @@
+"""Non-colocated encoders (``torchtitan_omni.distributed.noncolocated``) on gloo, float32.
+
+The llama_omni debug model (vision over images and videos in one merged pass, audio, an image
+decoder) on 3 ranks: rank 0 runs the vision and audio encoders only, ranks 1-2 run the LLM as
+data parallel, rank 2 with a batch without media. The summed losses and every gradient
+(encoders' on rank 0, the LLM's and decoder's on ranks 1-2) equal the single-process
+reference over both batches within 1e-5; with frozen encoders no all-to-all runs in backward
+and the LLM's gradients still match. The tiny test model on 4 ranks puts the encoders on two
+non-adjacent ranks (0 and 2), so that items of several sizes are spread over them and put
+back in order; it also freezes the audio encoder alone (one exchange with gradient, one
+without).
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+
+from tests.harness import run_distributed
+
+RTOL = 1e-5
+
+
+def _without_media(model, batch):
+    """``batch`` without any encoder's media (the placeholders become plain text tokens)."""
+    from torchtitan_omni.protocols import batch as B
+
+    prefixes = tuple(f"{m}_" for m in model.encoder_of)
+    out = {k: v for k, v in batch.items() if not k.startswith(prefixes)}
+    assert all(B.embed_index_key(m) not in out for m in model.encoder_of)
+    return out
+
+
+def _batches(spec, n):
+    """``n`` LLM ranks' batches; the last without media."""
+    from tests.distributed import common as C
+
+    if spec.zoo:
+        from tests.models.batches import mixed_batch
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        import torchtitan_omni.models  # noqa: F401  (registers the specs)
+
+        vocab = get_train_spec(spec.zoo).model_args["debugmodel"].llm_args.vocab_size
+        ref = C.reference_model(spec)  # mixed_batch asks the encoders for their rows
+        out = [mixed_batch(ref, vocab, seed=20 + i) for i in range(n)]
+    else:
+        ref = C.reference_model(spec)
+        out = [C.make_batch(40 + i, rows=3, seq=24) for i in range(n)]
+    batch, labels = out[-1]
+    out[-1] = (_without_media(ref, batch), labels)
+    return out
+
+
+class _Count:
+    """Counts ``all_to_all_single`` calls (the exchanges' collectives) while active."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.calls, self._real = 0, dist.all_to_all_single
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._real(*args, **kwargs)
+
+
+def _llm_step(model, client, batch, labels, group):
+    """One data-parallel step of an LLM rank: the exchange, forward, backward; the gradients
+    and losses summed over the LLM ranks. Returns the losses and the backward's all-to-alls."""
+    import torch.distributed as dist
+
+    from tests.distributed import common as C
+    from torchtitan_omni.components.loss import OmniLoss
+    from torchtitan_omni.protocols import batch as B
+
+    local = model.count_targets(batch, labels)
+    names = list(local)
+    glob = torch.stack([local[n] for n in names])
+    dist.all_reduce(glob, group=group)
+    counts = dict(zip(names, glob))
+    client.exchange(batch)
+    meta, media = C._meta(batch)
+    out = model(batch[B.INPUT], meta, labels, **media)
+    loss, parts = OmniLoss({}, aux_weight=0.0)(out.losses, counts, out.aux_losses, group.size())
+    count = _Count()
+    with mock.patch.object(dist, "all_to_all_single", count):
+        loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+    names = [n for n in parts if n in counts]
+    summed = torch.stack([parts[n].detach() for n in names])
+    dist.all_reduce(summed, group=group)
+    return {n: float(v) for n, v in zip(names, summed)}, count.calls
+
+
+def _run(rank, world, spec, encoder_ranks, frozen):
+    """One step of both rank sets with the encoders named in ``frozen`` frozen."""
+    import torch.distributed as dist
+
+    from tests.distributed import common as C
+    from torchtitan_omni.distributed.noncolocated import (
+        EncoderServer,
+        RankSets,
+        install_remote_encoders,
+    )
+
+    llm_ranks = tuple(r for r in range(world) if r not in encoder_ranks)
+    ranks = RankSets(tuple(encoder_ranks), llm_ranks, dist.group.WORLD)
+    groups = {"llm": dist.new_group(list(llm_ranks)), "enc": dist.new_group(list(encoder_ranks))}
+    batches = _batches(spec, len(llm_ranks))
+    freeze = [f"encoders.{n}" for n in frozen]
+    model, ref = C.reference_model(spec), C.reference_model(spec)
+    model.freeze(freeze)
+    ref.freeze(freeze)
+    ref_losses = C.reference_step(ref, batches)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    out = {"frozen": frozen}
+    if ranks.on_encoders:
+        server = EncoderServer(ranks, model.encoders)
+        server.step()
+        count = _Count()
+        with mock.patch.object(dist, "all_to_all_single", count):
+            server.backward()
+        for p in model.encoders.parameters():  # encoder ranks as data parallel
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=groups["enc"])
+        grads = {f"encoders.{n}": p.grad for n, p in model.encoders.named_parameters()}
+        out.update(role="encoders", items=server.last_items, backward_calls=count.calls)
+    else:
+        client = install_remote_encoders(model, ranks)
+        batch, labels = batches[llm_ranks.index(rank)]
+        losses, calls = _llm_step(model, client, batch, labels, groups["llm"])
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        out.update(role="llm", backward_calls=calls,
+                   loss_err=max(C.rel_error(losses[k], ref_losses[k]) for k in ref_losses),
+                   encoder_params=[n for n in grads if n.startswith("encoders.")],
+                   trainable_exchange=client.last_trainable_exchange)
+    out["grad_problems"] = C.compare(grads, {n: ref_grads[n] for n in grads}, RTOL)
+    out["checked"] = sum(g is not None for g in grads.values())
+    # a check that cannot fail is no check: the reference's gradients must be real
+    out["ref_grad"] = {n: float(ref_grads[n].abs().sum()) for n in grads
+                       if ref_grads[n] is not None}
+    return out
+
+
+ALL = ("vision", "audio")
+
+
+def _check(results, frozen):
+    everything = set(frozen) == set(ALL)
+    for rank, res in enumerate(results):
+        assert not res["grad_problems"], (rank, res["grad_problems"][:5])
+        assert all(v > 0 for v in res["ref_grad"].values()), (rank, res)
+        assert res["checked"] or (everything and res["role"] == "encoders"), (rank, res)
+        if res["role"] == "llm":
+            assert res["loss_err"] < RTOL, (rank, res)
+            assert not res["encoder_params"], (rank, res["encoder_params"])
+        # backward: one all-to-all (the rows' gradients), none with frozen encoders
+        assert res["backward_calls"] == (0 if everything else 1), (rank, res)
+    if everything:
+        assert all(r["checked"] == 0 for r in results if r["role"] == "encoders")
+
+
+def _cases(rank, world, spec, encoder_ranks, cases):
+    return [_run(rank, world, spec, encoder_ranks, frozen) for frozen in cases]
+
+
+def test_llama_omni_encoders_on_rank_0_match_reference():
+    from tests.distributed import common as C
+
+    cases = ((), ALL)
+    results = run_distributed(_cases, 3, C.ModelSpec(zoo="llama_omni"), (0,), cases,
+                              timeout=600)
+    for i, frozen in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        _check(per_rank, frozen)
+        assert per_rank[0]["items"] == 3  # rank 1's image, video and audio clip
+
+
+def test_tiny_model_two_encoder_ranks_match_reference():
+    from tests.distributed import common as C
+
+    cases = ((), ALL, ("audio",))  # the last: one exchange with, one without gradient
+    results = run_distributed(_cases, 4, C.ModelSpec(), (0, 2), cases, timeout=600)
+    for i, frozen in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        _check(per_rank, frozen)
+        # both encoder ranks got work (balanced by cost)
+        assert all(per_rank[r]["items"] > 0 for r in (0, 2)), per_rank
