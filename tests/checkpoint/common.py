@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.harness import REPO
+from tests.harness import REPO, run_train
 
 CONFIG = str(REPO / "tests/checkpoint/ckpt.toml")
+#: full-precision per-step losses and the same run each time (the resume tests compare runs)
+DETERMINISTIC = ("--debug.deterministic", "--debug.seed", "42")
 
 
 def has_module(name: str) -> bool:
@@ -89,6 +92,29 @@ def text_logits(model, dims, tokens: torch.Tensor, doc_len: int) -> torch.Tensor
     finally:
         handle.remove()
     return logits.reshape(b, s // sp, -1)
+
+
+def train_logged(config, folder: str, ngpu: int,
+                 *overrides: str) -> tuple[dict[int, dict[str, float]], str]:
+    """``run_train.sh`` (deterministic) with its outputs in ``folder``: every step's named
+    losses at full precision (``tests.checkpoint.train_entry``), and the console output."""
+    losses = os.path.join(folder, "losses.jsonl")
+    run = run_train(config, ngpu, "--job.dump_folder", folder, *DETERMINISTIC, *overrides,
+                    env={"TRAIN_FILE": "tests.checkpoint.train_entry", "OMNI_LOSS_FILE": losses})
+    assert run.returncode == 0, run.output[-4000:]
+    with open(losses) as f:
+        records = [json.loads(line) for line in f]
+    return {r.pop("step"): r for r in records}, run.output
+
+
+def copy_checkpoints(src: str, dst: str, drop: tuple[int, ...] = ()) -> None:
+    """``src``'s checkpoint folder into ``dst`` (job dump folders) without the steps ``drop``:
+    a run in ``dst`` resumes from the newest one left."""
+    import shutil
+
+    shutil.copytree(os.path.join(src, "checkpoint"), os.path.join(dst, "checkpoint"))
+    for step in drop:
+        shutil.rmtree(os.path.join(dst, "checkpoint", f"step-{step}"))
 
 
 def dcp_tensors(path: str) -> dict[str, torch.Tensor]:

@@ -17,30 +17,23 @@ Losses are recorded at full precision by ``tests.checkpoint.train_entry``.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import pytest
 import torch
 
-from tests.checkpoint.common import CONFIG, dcp_tensors, has_module, tiny_hf_llama
-from tests.harness import run_train
+from tests.checkpoint.common import (
+    CONFIG, copy_checkpoints, dcp_tensors, has_module, tiny_hf_llama, train_logged,
+)
 
 pytestmark = pytest.mark.slow
-DETERMINISTIC = ("--debug.deterministic", "--debug.seed", "42")
 FSDP = "--parallelism.data_parallel_shard_degree"
 A_LAYOUT = (FSDP, "2", "--training.local_batch_size", "2")
 
 
 def _train(folder: str, ngpu: int, *overrides: str) -> tuple[dict[int, float], str]:
-    losses = os.path.join(folder, "losses.jsonl")
-    run = run_train(CONFIG, ngpu, "--job.dump_folder", folder, *DETERMINISTIC, *overrides,
-                    env={"TRAIN_FILE": "tests.checkpoint.train_entry", "OMNI_LOSS_FILE": losses})
-    assert run.returncode == 0, run.output[-4000:]
-    with open(losses) as f:
-        records = [json.loads(line) for line in f]
-    return {r["step"]: r["text"] for r in records}, run.output
+    losses, output = train_logged(CONFIG, folder, ngpu, *overrides)
+    return {step: named["text"] for step, named in losses.items()}, output
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +49,10 @@ def run_a(tmp_path_factory):
     return folder, losses, hf
 
 
-def _copy_checkpoints(src: str, dst: str, keep_step6: bool) -> None:
-    shutil.copytree(os.path.join(src, "checkpoint"), os.path.join(dst, "checkpoint"))
-    if not keep_step6:
-        shutil.rmtree(os.path.join(dst, "checkpoint", "step-6"))
-
-
 def test_resume_same_layout_is_exact_and_skips_a_truncated_checkpoint(run_a, tmp_path):
     src, losses_a, hf = run_a
     folder = str(tmp_path)
-    _copy_checkpoints(src, folder, keep_step6=True)
+    copy_checkpoints(src, folder)
     step6 = os.path.join(folder, "checkpoint", "step-6")
     victim = sorted(n for n in os.listdir(step6) if n.endswith(".distcp"))[-1]
     os.truncate(os.path.join(step6, victim), os.path.getsize(os.path.join(step6, victim)) - 1)
@@ -94,7 +81,7 @@ def test_resume_under_another_layout_matches(run_a, tmp_path, layout):
         pytest.skip("Ulysses sequence parallel has not landed")
     src, losses_a, _ = run_a
     folder = str(tmp_path)
-    _copy_checkpoints(src, folder, keep_step6=False)
+    copy_checkpoints(src, folder, drop=(6,))
     ngpu, overrides = LAYOUTS[layout]
     losses, output = _train(folder, ngpu, *overrides)
     assert "Re-splitting the dataloader state of 2 data-parallel ranks over 1" in output

@@ -1,32 +1,38 @@
 """A modality added entirely from outside the framework: an "imu" sequence of 6-axis float
 vectors ``[T, 6]`` per item, with its own processor config, processor and encoder, registered
-once with ``register_modality``. The data pipeline builds its batch and a tiny omni model
-trains on it; the registration does not outlive the test."""
+once with ``register_modality``, and a tiny spec whose encoder declares it. With the default
+``data.modalities`` (not naming imu) the data pipeline builds its batch from the spec and the
+spec's model trains on it; the registration does not outlive the test."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.nn as nn
 
+from torchtitan.protocols.train_spec import register_train_spec
+
 from tests.data.helpers import job_config, tokenizer_dir, write_jsonl
 from torchtitan_omni.components.inputs import model_inputs
 from torchtitan_omni.data import special_tokens as st
-from torchtitan_omni.data.loader import build_omni_dataloader, check_data_config
+from torchtitan_omni.data.loader import build_omni_dataloader, check_data_config, model_processing
 from torchtitan_omni.data.processors import Item, Processor, build_processors
 from torchtitan_omni.data.sample import parse_row
 from torchtitan_omni.data.tokenizer import OmniTokenizer
 from torchtitan_omni.foundations.llama3 import Llama3, Llama3Args
+from torchtitan_omni.job_model import job_model_args
+from torchtitan_omni.model_args import OmniModelArgs
 from torchtitan_omni.modules import init
 from torchtitan_omni.omni_model import OmniModel
 from torchtitan_omni.protocols import batch as B
 from torchtitan_omni.protocols.modality import (
-    Modality, get_modality, modality_names, register_modality, registered,
+    ALL_MODALITIES, Modality, get_modality, modality_names, register_modality, registered,
 )
 from torchtitan_omni.protocols.modules import OmniEncoder
+from torchtitan_omni.spec import omni_train_spec
 
 AXES, DIM = 6, 32
 
@@ -98,6 +104,40 @@ class TinyImuEncoder(OmniEncoder):
 IMU = Modality("imu", "input", ImuProcessing, ImuProcessor)
 
 
+# ----------------------------------------------------------------- a spec whose part reads it
+@dataclass
+class ImuArgs(OmniModelArgs):
+    """A one-layer Llama foundation and the imu encoder; the vocabulary is the tokenizer's."""
+
+    vocab_from_tokenizer: bool = True
+    llm: Llama3Args = field(default_factory=lambda: Llama3Args(
+        dim=DIM, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=8, ffn_hidden_dim=64,
+        rope_scaling=None, max_seq_len=64))
+
+    @property
+    def llm_args(self):
+        return self.llm
+
+    def build_encoders(self):
+        return {"imu": TinyImuEncoder(DIM)}
+
+
+class ImuModel(OmniModel):
+    def __init__(self, args: ImuArgs) -> None:
+        super().__init__(Llama3(args.llm), encoders=args.build_encoders())
+
+
+SPEC = "imu_omni"
+try:
+    register_train_spec(SPEC, omni_train_spec(ImuModel, {"tiny": ImuArgs()}))
+except ValueError:  # already registered in this process
+    pass
+
+
+def _imu_job(tokenizer: str) -> tuple[str, ...]:
+    return ("--model.name", SPEC, "--model.flavor", "tiny", "--model.hf_assets_path", tokenizer)
+
+
 @pytest.fixture
 def imu():
     """The imu modality, registered for one test only."""
@@ -141,6 +181,20 @@ def test_unregistered_after_the_fixture():
         check_data_config(job_config("--data.modalities", "imu").data, 64)
 
 
+def test_data_modalities_default_to_what_the_parts_declare(imu, tmp_path):
+    folder = tokenizer_dir(tmp_path)
+    assert model_processing(job_config(*_imu_job(folder))) == {"imu": ImuProcessing()}
+    # an explicit list still restricts: only the declared modalities it names
+    assert model_processing(job_config(*_imu_job(folder), "--data.modalities", "imu")) == {
+        "imu": ImuProcessing()}
+    assert model_processing(job_config(*_imu_job(folder), "--data.modalities", "image")) == {}
+    with pytest.raises(ValueError, match=r"data.modalities: 'all' .* stands alone, got "
+                                         r"\['all', 'imu'\]"):
+        check_data_config(job_config("--data.modalities", "all,imu").data, 64)
+    with pytest.raises(ValueError, match="modality name 'all' is reserved"):
+        Modality(ALL_MODALITIES)
+
+
 def test_token_ids_of_the_builtins_do_not_move(tmp_path):
     folder = tokenizer_dir(tmp_path)
     before = OmniTokenizer(folder)
@@ -169,6 +223,8 @@ def _clip(frames: int, seed: int) -> list[list[float]]:
 
 
 def test_pipeline_batch_and_a_training_step(imu, tmp_path):
+    """The trainer's path with the default ``data.modalities`` (not listing imu): the loader
+    takes the processing configs the spec's parts declare, the model comes from the spec."""
     root = tmp_path / "ds"
     rows = [
         {"messages": [{"role": "user", "content": "<imu>What is the wearer doing?"},
@@ -176,13 +232,20 @@ def test_pipeline_batch_and_a_training_step(imu, tmp_path):
         for k in range(4)
     ] + [{"text": "a small corpus <imu> of words", "imu": _clip(4, 9)}]
     write_jsonl(root / "train.jsonl", rows)
-    tok = OmniTokenizer(tokenizer_dir(tmp_path))
-    encoder = TinyImuEncoder(DIM)
-    cfg = job_config("--training.dataset", "custom", "--training.dataset_path", str(root),
-                     "--training.seq_len", "64", "--training.local_batch_size", "2",
-                     "--data.buffer_docs", "8", "--data.modalities", "imu")
-    loader = build_omni_dataloader(1, 0, tok, cfg, processing={"imu": encoder.processing("imu")})
+    folder = tokenizer_dir(tmp_path)
+    tok = OmniTokenizer(folder)
+    cfg = job_config(*_imu_job(folder), "--training.dataset", "custom",
+                     "--training.dataset_path", str(root), "--training.seq_len", "64",
+                     "--training.local_batch_size", "2", "--data.buffer_docs", "8")
+    assert cfg.data.modalities == [ALL_MODALITIES]
+    check_data_config(cfg.data, 64)
+    loader = build_omni_dataloader(1, 0, tok, cfg)
     batch, labels = next(iter(loader))
+    torch.manual_seed(0)
+    args = job_model_args(cfg)
+    assert args.llm_args.vocab_size == tok.layout.size
+    model = ImuModel(args)
+    encoder = model.encoders["imu"]
 
     index = batch[B.embed_index_key("imu")]
     media = B.media(batch, "imu")
@@ -192,11 +255,6 @@ def test_pipeline_batch_and_a_training_step(imu, tmp_path):
     assert torch.equal(batch[B.INPUT] == pad, index >= 0)
     assert B.target_index_key("imu") not in batch  # an input, not a generation target
 
-    torch.manual_seed(0)
-    llm = Llama3(Llama3Args(dim=DIM, n_layers=1, n_heads=4, n_kv_heads=2,
-                            vocab_size=tok.layout.size, ffn_hidden_dim=64, rope_scaling=None,
-                            max_seq_len=64))
-    model = OmniModel(llm, encoders={"imu": encoder})
     model.init_weights()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = encoder.proj.weight.detach().clone()

@@ -13,6 +13,8 @@ Annotations are real types (no ``from __future__ import annotations``) because
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchtitan_omni.protocols.modality import ALL_MODALITIES
+
 
 @dataclass
 class Parallelism:
@@ -141,8 +143,10 @@ class Data:
     streaming: bool = False
     """Stream the corpus (files read in order, row by row) instead of indexing every file."""
 
-    modalities: list[str] = field(default_factory=lambda: ["image", "video", "audio", "gen_image"])
-    """Modalities to keep; samples that need another one are skipped (and counted)."""
+    modalities: list[str] = field(default_factory=lambda: [ALL_MODALITIES])
+    """Modalities to keep: "all" is every modality the model's encoders and decoders declare
+    (a registered extra one included); a list keeps only those it names (empty: text only).
+    Samples that need a modality not kept are skipped (and counted)."""
 
     mask_prompt_labels: bool = True
     """No loss on user/system turns (only on assistant turns and plain text)."""

@@ -38,7 +38,7 @@ from torchtitan_omni.data.tokenizer import build_omni_tokenizer
 from torchtitan_omni.errors import OmniInputError
 from torchtitan_omni.job_model import job_model_args
 from torchtitan_omni.platform import is_cpu
-from torchtitan_omni.protocols.modality import modality_names
+from torchtitan_omni.protocols.modality import ALL_MODALITIES, modality_names
 
 
 class OmniDataLoader(ParallelAwareDataloader):
@@ -163,19 +163,32 @@ def dataset_root(job_config) -> str:
     return path
 
 
+def kept_processing(configs: dict[str, Any], data) -> dict[str, Any]:
+    """The processing configs (of the modalities a model declares) that ``data.modalities``
+    keeps: all of them for ``["all"]``, else those it names."""
+    if list(data.modalities) == [ALL_MODALITIES]:
+        return dict(configs)
+    return {m: c for m, c in configs.items() if m in data.modalities}
+
+
 def model_processing(job_config) -> dict[str, Any]:
     """The model's processing config per modality, limited to ``data.modalities``."""
     # the job's args: flavor "hf" and model.parts_flavor change the encoders (TorchTitan's
     # trainer builds the data loader before it updates the registered args)
     args = job_model_args(job_config)
     configs = dict(args.processing()) if hasattr(args, "processing") else {}
-    return {m: c for m, c in configs.items() if m in job_config.data.modalities}
+    return kept_processing(configs, job_config.data)
 
 
 def check_data_config(data, seq_len: int) -> None:
     """Raise ValueError naming the first impossible [data] value (also run at start-up)."""
     known = modality_names()
-    unknown = set(data.modalities) - set(known)
+    if ALL_MODALITIES in data.modalities and len(data.modalities) > 1:
+        raise ValueError(
+            f"data.modalities: {ALL_MODALITIES!r} (every modality the model declares) stands "
+            f"alone, got {list(data.modalities)}; list the modalities to keep instead"
+        )
+    unknown = set(data.modalities) - set(known) - {ALL_MODALITIES}
     if unknown:
         raise ValueError(
             f"data.modalities has unknown {sorted(unknown)} (known: {', '.join(known)}; a new "

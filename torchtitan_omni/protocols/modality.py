@@ -18,6 +18,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+#: ``data.modalities = ["all"]`` (the default): every modality the model's encoders and
+#: decoders declare, registered ones included; no modality may take this name
+ALL_MODALITIES = "all"
+
 #: an understanding input (an encoder's ``modalities``) or a generation target (a decoder's)
 Role = Literal["input", "target"]
 
@@ -50,6 +54,9 @@ class Modality:
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
             raise ValueError(f"modality name {self.name!r} must be an identifier")
+        if self.name == ALL_MODALITIES:
+            raise ValueError(f"modality name {self.name!r} is reserved: data.modalities = "
+                             f"[{self.name!r}] means every modality the model declares")
         if self.role not in ("input", "target"):
             raise ValueError(f"modality role must be 'input' or 'target', got {self.role!r}")
         # frozen: defaults derived from the name are set through object.__setattr__
