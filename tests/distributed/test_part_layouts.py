@@ -12,7 +12,7 @@ import torch
 from tests.distributed import common as C
 from tests.harness import REPO, run_distributed
 from torchtitan_omni.config.manager import ConfigError, parse_config
-from torchtitan_omni.config.parts import part_settings
+from torchtitan_omni.distributed.part_layouts import part_settings
 from torchtitan_omni.distributed.checks import parts_problem
 from torchtitan_omni.distributed.parallelize import part_mesh_choice
 from torchtitan_omni.protocols.modules import OmniEncoder

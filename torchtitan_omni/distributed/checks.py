@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from torchtitan_omni.config.parts import DECODERS, ENCODER_ONLY, key_name, part_settings
+from torchtitan_omni.distributed.part_layouts import DECODERS, ENCODER_ONLY, key_name, part_settings
 from torchtitan_omni.distributed.parallelize import matching_modules
 from torchtitan_omni.protocols.modules import OmniEncoder
 

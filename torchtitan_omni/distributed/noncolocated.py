@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -241,6 +241,10 @@ class RemoteEncoder(OmniEncoder):
     """Stands in for an encoder on the LLM ranks: no parameters; ``forward`` returns the rows
     that :meth:`EncoderClient.exchange` brought for the next pass of this encoder."""
 
+    _omni_spec: OmniEncoder
+    _omni_client: EncoderClient
+    _omni_name: str
+
     def __init__(self, name: str, spec: OmniEncoder, client: EncoderClient) -> None:
         super().__init__()
         self.modalities, self.merge_modalities = spec.modalities, spec.merge_modalities
@@ -272,8 +276,10 @@ class EncoderClient:
     def __init__(self, ranks: RankSets, model: nn.Module) -> None:
         if ranks.on_encoders:
             raise ValueError(f"rank {ranks.rank} is an encoder rank; it runs EncoderServer")
-        self.ranks, self.model = ranks, model
-        self.specs: dict[str, OmniEncoder] = dict(model.encoders.items())
+        self.ranks = ranks
+        self.model: Any = model  # an OmniModel (or FSDP's subclass of it)
+        encoders = cast(nn.ModuleDict, model.encoders)
+        self.specs = {name: cast(OmniEncoder, enc) for name, enc in encoders.items()}
         self._pending: dict[str, deque[torch.Tensor]] = {}
         self.last_trainable_exchange = False  # whether the last exchange has a backward
 
@@ -293,7 +299,7 @@ class EncoderClient:
         local = [pass_media(batch, self.specs[name], mods) for name, mods in passes]
         items = [_describe(self.specs[name], *got) if got is not None else None
                  for (name, _), got in zip(passes, local)]
-        weight = self.model.llm.tok_embeddings.weight
+        weight = cast(torch.Tensor, self.model.llm.tok_embeddings.weight)
         width, dtype, device = weight.shape[-1], weight.dtype, weight.device
         meta: list[Any] = [None] * self.ranks.group.size()
         mine = {"passes": passes, "items": items, "width": width,
@@ -365,7 +371,7 @@ class EncoderServer:
             if p is None:
                 continue
             media = _send_inputs(self.ranks, p, None, self.device)
-            encoder = self.encoders[p.encoder]
+            encoder = cast(OmniEncoder, self.encoders[p.encoder])
             expected = sum(p.sent(s, e, "out") for s in range(len(self.ranks.llm)))
             count = sum(d == e for dest in p.dest for d in dest)
             if count:

@@ -22,7 +22,7 @@ Order (each step reads the spec's ``OmniParallelPlan``):
 
 An encoder's or decoder's layout keys (``fsdp_mesh``, ``sequence_parallel``,
 ``activation_checkpoint``) come from its ``[parallelism.parts."<part>"]`` table, else from the
-global keys (``torchtitan_omni.config.parts.part_settings``); the model code stays
+global keys (``torchtitan_omni.distributed.part_layouts.part_settings``); the model code stays
 layout-free.
 
 The model arrives on the meta device and leaves sharded, still on meta; the trainer then
@@ -43,7 +43,7 @@ from torch.distributed.tensor import Shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.tools.logging import logger
 
-from torchtitan_omni.config.parts import part_settings
+from torchtitan_omni.distributed.part_layouts import part_settings
 from torchtitan_omni.data.packing import BatchPlan
 from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
 from torchtitan_omni.distributed.activation_offload import offload_activations

@@ -78,7 +78,8 @@ def read_split(root: str, split: str, limit: int = 0, fmt: str = "auto") -> list
 def split_by_modalities(items: Sequence[HeldOut], enabled) -> tuple[list[HeldOut], dict]:
     """The items whose media the model can read (every modality in ``enabled``), and the count
     of the others per task file (e.g. a vision-only model's ``test-speech`` rows)."""
-    kept, skipped = [], defaultdict(int)
+    kept: list[HeldOut] = []
+    skipped: defaultdict[str, int] = defaultdict(int)
     for item in items:
         if all(m in enabled for m, refs in item.sample.media.items() if refs):
             kept.append(item)
