@@ -265,6 +265,21 @@ def test_imagenet_class_folders_as_image_generation(tmp_path):
     _check_generation(tok, _batches(cfg, "val", 100, processing), 2)
 
 
+def test_imagenet_split_is_one_task_of_generation_rows(tmp_path):
+    # eval_metrics reads the held-out split with read_split: the class folders of "val" are one
+    # task (not a task per class), and every row is an image-generation row
+    from torchtitan_omni.eval.tasks import kind_of, read_split
+
+    root = tmp_path / "imagenet"
+    _imagenet(root, {"val": 2})
+    items = read_split(str(root), "val")
+    assert len(items) == 2 * len(_CLASSES)
+    assert {item.task for item in items} == {"val"}
+    assert {kind_of(item.sample) for item in items} == {"generation"}
+    assert sorted(item.sample.turns[0].text for item in items) == sorted(
+        ["Draw a goldfish."] * 2 + ["Draw a tench."] * 2)
+
+
 def test_imagenet_class_folder_missing_from_the_mapping_is_one_line(tmp_path):
     root = tmp_path / "imagenet"
     _imagenet(root, {"train": 1})

@@ -15,6 +15,7 @@ and :func:`sample_grid` draws images for fixed captions into one PNG.
 
 from __future__ import annotations
 
+import os
 import random
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -65,7 +66,8 @@ def read_split(root: str, split: str, limit: int = 0, fmt: str = "auto") -> list
     out = []
     for file in find_files(root, split):
         source = RowSource([file], fmt, shuffle=False)
-        task = Path(file).name.split(".")[0]
+        # a class folder (ImageNet layout) belongs to its split's one task, not a task per class
+        task = Path(file).parent.name if os.path.isdir(file) else Path(file).name.split(".")[0]
         for i in range(len(source) if not limit else min(limit, len(source))):
             row, src = source.row(i)
             try:
