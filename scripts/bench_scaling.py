@@ -161,6 +161,11 @@ def _cap(factor: float) -> tuple[str, ...]:
     return ("--parallelism.expert_capacity_factor", str(factor))
 
 
+def _chunks(n: int) -> tuple[str, ...]:
+    # capacity-padded EP exchange in n chunks overlapped with the experts
+    return ("--parallelism.expert_dispatch_chunks", str(n))
+
+
 def _ep(n: int) -> tuple[str, ...]:
     return ("--parallelism.expert_parallel_degree", str(n))
 
@@ -243,11 +248,14 @@ def moe_4gpu() -> list[Point]:
 
 def moe_dispatch(ngpu: int) -> list[Point]:
     """MoE dispatch (issue 12) at the 30B-A3B layer shape: the exact uneven all-to-all (a host
-    sync per layer) against capacity-padded dispatch (static splits), eager and compiled. One
-    GPU: 2 layers, local dispatch; two: 4 layers, EP2; four: the anchor's 12 layers, EP4."""
+    sync per layer) against capacity-padded dispatch (static splits), eager and compiled; with
+    EP also the capacity-padded exchange in 2 overlapped chunks. One GPU: 2 layers, local
+    dispatch; two: 4 layers, EP2; four: the anchor's 12 layers, EP4."""
     layers, ep = {1: (2, _ep(1)), 2: (4, _ep(2)), 4: (12, _ep(4))}[ngpu]
     cut = _layers(layers) + FULL + ep
     variants = [("exact", ()), ("cap1.25", _cap(1.25))]
+    if ngpu >= 2:  # the exchange in 2 chunks overlapped with the experts (needs EP)
+        variants.append(("cap1.25_chunks2", _cap(1.25) + _chunks(2)))
     if ngpu == 4:
         variants += [("cap1.0", _cap(1.0)), ("cap2.0", _cap(2.0))]
     points = []
@@ -255,7 +263,7 @@ def moe_dispatch(ngpu: int) -> list[Point]:
         point = Point(f"moe_{layers}L_8k_{ngpu}gpu_{tag}", MOE, ngpu, 8192, cut + extra,
                       estimate_s=90)
         points.append(point)
-        if tag in ("exact", "cap1.25"):
+        if tag in ("exact", "cap1.25", "cap1.25_chunks2"):
             points.append(compiled(point, 90))
     if ngpu == 4:
         points.append(compiled(Point("moe_12L_16k_4gpu_cap1.25", MOE, 4, 16384,

@@ -46,6 +46,10 @@ def test_moe_field_of_step_lines():
     assert "| m | 1.84 | 0.52% |" in bench.table([row], "test")
     names = [p.name for p in bench.PLANS["moe_dispatch_4gpu"]]
     assert "moe_12L_8k_4gpu_cap1.25_compile" in names
+    assert {"moe_12L_8k_4gpu_cap1.25_chunks2", "moe_12L_8k_4gpu_cap1.25_chunks2_compile"} <= set(
+        names)
+    assert "moe_4L_8k_2gpu_cap1.25_chunks2" in [p.name for p in bench.PLANS["moe_dispatch_2gpu"]]
+    assert not [p for p in bench.PLANS["moe_dispatch_1gpu"] if "chunks" in p.name]
 
 
 def test_trace_summary_counts_busy_time_and_gaps(tmp_path):

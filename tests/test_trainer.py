@@ -174,6 +174,13 @@ def test_negative_expert_capacity_factor(check_here):
     assert "parallelism.expert_capacity_factor must be >= 0" in line and "-0.5" in line
 
 
+def test_expert_dispatch_chunks_need_capacity(check_here):
+    line = _one_error_line(check_here(["--parallelism.expert_dispatch_chunks", "2"]))
+    assert "expert_dispatch_chunks is 2 but expert_capacity_factor is 0" in line
+    line = _one_error_line(check_here(["--parallelism.expert_dispatch_chunks", "0"]))
+    assert "parallelism.expert_dispatch_chunks must be >= 1" in line
+
+
 def test_llm_layers_out_of_range(check_here):
     line = _one_error_line(check_here(["--omni.llm_layers", "99"]))
     assert "omni.llm_layers (99)" in line

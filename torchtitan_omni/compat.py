@@ -79,6 +79,12 @@ def all_to_all_traceable(tensor: torch.Tensor, group: dist.ProcessGroup) -> torc
     return funcol.wait_tensor(funcol.all_to_all_single_autograd(tensor, None, None, group))
 
 
+def all_to_all_async(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """:func:`all_to_all_traceable` without its wait: eager mode returns an
+    ``AsyncCollectiveTensor`` that waits when first used (traced: waited at once)."""
+    return funcol.all_to_all_single_autograd(tensor, None, None, group)
+
+
 def raise_recompile_limit(limit: int) -> None:
     """Let dynamo keep at least ``limit`` compiled variants per code object (no public
     setting in torch 2.13)."""

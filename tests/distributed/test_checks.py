@@ -82,6 +82,17 @@ def test_validate_job_config_layouts():
     with pytest.raises(ConfigError, match="expert_capacity_factor is 1.0 but .* no experts"):
         validate_job_config(cfg, world_size=1)  # the synthetic model has no experts
     cfg.parallelism.expert_capacity_factor = 0.0
+    for bad in (0, -2):
+        cfg.parallelism.expert_dispatch_chunks = bad
+        with pytest.raises(ConfigError, match="expert_dispatch_chunks must be >= 1") as e:
+            validate_job_config(cfg, world_size=1)
+        assert "\n" not in str(e.value)
+    cfg.parallelism.expert_dispatch_chunks = 2  # with the exact dispatcher (factor 0)
+    with pytest.raises(ConfigError, match="expert_dispatch_chunks is 2 but "
+                                          "expert_capacity_factor is 0") as e:
+        validate_job_config(cfg, world_size=1)
+    assert "\n" not in str(e.value)
+    cfg.parallelism.expert_dispatch_chunks = 1
     cfg.activation_checkpoint.mode = "memory_budget"
     with pytest.raises(ConfigError, match="memory_budget"):
         validate_job_config(cfg, world_size=1)
@@ -130,3 +141,18 @@ def test_a_model_that_refuses_its_args_is_one_config_line_and_a_bug_keeps_its_tr
     monkeypatch.setattr(spec, "model_cls", broken)
     with pytest.raises(RuntimeError, match="a bug in the spec"):
         validate_job_config(cfg, world_size=2)
+
+
+def test_make_dispatcher_refuses_bad_chunks():
+    from torchtitan_omni.distributed.expert_parallel import make_dispatcher
+    from torchtitan_omni.distributed.expert_overlap import chunk_widths
+
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        make_dispatcher(8, 2, None, 1.0, 8, chunks=0)
+    with pytest.raises(ValueError, match="need the capacity-padded dispatcher"):
+        make_dispatcher(8, 2, None, 0.0, 8, chunks=2)
+    # without EP nothing is exchanged: the local capacity dispatcher, unchunked
+    assert type(make_dispatcher(8, 2, None, 1.0, 8, chunks=2)).__name__ == "CapacityDispatcher"
+    # no divisibility needed: near-equal widths, at most one chunk per slot
+    assert chunk_widths(3, 2) == [2, 1] and chunk_widths(3, 4) == [1, 1, 1]
+    assert chunk_widths(8, 4) == [2, 2, 2, 2] and chunk_widths(0, 4) == [0]

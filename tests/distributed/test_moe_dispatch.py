@@ -3,7 +3,10 @@
 choose one expert, a rank that sends nothing to half the experts and a rank without tokens.
 Outputs and input, router and expert gradients within 1e-5; routed and dropped copies exactly
 equal to the single-process layer applying the same rule to each rank's tokens; and the
-capacity-padded EP4 layer compiled as one graph (fullgraph=True) against eager. And the
+capacity-padded EP4 layer compiled as one graph (fullgraph=True) against eager. The chunked,
+overlapped exchange (``parallelism.expert_dispatch_chunks`` 2 and 4, capacity factors 1.25
+and 2.0, eager and compiled) also against the same EP layer in one chunk: outputs, input and
+expert gradients within 1e-5, the same copies dropped. And the
 trainer's reduction of the routing counts (loads over the EP group, drops over all ranks)."""
 
 from __future__ import annotations
@@ -54,26 +57,39 @@ def _error(a, b) -> float:
     return float((a - b).abs().max()) / scale if b.numel() else 0.0
 
 
-def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False) -> dict:
+def _ep_layer(ref, mesh, factor: float, chunks: int, compiled: bool, rank: int):
+    """A copy of ``ref`` under EP on ``mesh``, run forward and backward on ``rank``'s inputs."""
     import copy
 
     import torch
+
+    from torchtitan_omni.distributed.expert_parallel import make_dispatcher, shard_experts
+
+    moe = copy.deepcopy(ref)
+    shard_experts(moe.experts, mesh)
+    moe.dispatcher = make_dispatcher(E, K, mesh.get_group(), factor, TOKENS, chunks)
+    x, grad = _inputs(rank)
+    if compiled:
+        # a fresh cache per case: a recompile for another capacity factor would make dynamo
+        # treat the factor as a dynamic float (one factor per run in training)
+        torch._dynamo.reset()
+    forward = torch.compile(moe, backend="aot_eager", fullgraph=True) if compiled else moe
+    out, stats = forward(x)
+    (out * grad).sum().backward()
+    return moe, out, stats, x
+
+
+def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
+          chunks: int = 1) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan_omni.distributed.expert_parallel import make_dispatcher, shard_experts
     from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
 
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))["ep"]
     group = mesh.get_group()
     ref = _layer()
-    moe = copy.deepcopy(ref)
-    shard_experts(moe.experts, mesh)
-    moe.dispatcher = make_dispatcher(E, K, group, factor, TOKENS)
-    x, grad = _inputs(rank)
-    forward = torch.compile(moe, backend="aot_eager", fullgraph=True) if compiled else moe
-    out, stats = forward(x)
-    (out * grad).sum().backward()
+    moe, out, stats, x = _ep_layer(ref, mesh, factor, chunks, compiled, rank)
 
     # the same layer in one process, on every rank of this EP group in turn
     if factor:
@@ -97,17 +113,36 @@ def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False)
     for name in ("w1", "w2", "w3"):
         errors[name] = _error(getattr(moe.experts, name).grad.to_local(),
                               getattr(ref.experts, name).grad[rows])
-    return {"errors": errors, "dispatcher": type(moe.dispatcher).__name__,
-            "routed": stats.routed.tolist(), "ref_routed": ref_stats.routed.tolist(),
-            "dropped": stats.dropped.tolist(), "ref_dropped": ref_stats.dropped.tolist()}
+    result = {"dispatcher": type(moe.dispatcher).__name__,
+              "routed": stats.routed.tolist(), "ref_routed": ref_stats.routed.tolist(),
+              "dropped": stats.dropped.tolist(), "ref_dropped": ref_stats.dropped.tolist()}
+    if chunks > 1:  # and against the same EP layer exchanging in one chunk
+        one, out1, stats1, x1 = _ep_layer(_layer(), mesh, factor, 1, compiled, rank)
+        errors.update({"out_vs_1": _error(out, out1), "x_vs_1": _error(x.grad, x1.grad)})
+        for name in ("w1", "w2", "w3"):
+            errors[f"{name}_vs_1"] = _error(getattr(moe.experts, name).grad.to_local(),
+                                            getattr(one.experts, name).grad.to_local())
+        result["dropped_1"] = stats1.dropped.tolist()
+    return dict(result, errors=errors)
 
 
+#: name: (EP degree, capacity factor, compiled, dispatch chunks). Capacity C = ceil(factor x 8
+#: x 2 / 8): 1.0 -> 2 slots, 1.25 -> 3 (chunks 2: widths 2 + 1; chunks 4: three chunks of 1),
+#: 2.0 -> 4 (chunks 2: 2 + 2; chunks 4: 1 each)
 CASES = {
-    "ep4_exact": (4, 0.0, False),
-    "ep4_capacity": (4, 1.0, False),
-    "ep2_exact": (2, 0.0, False),
-    "ep2_capacity": (2, 1.0, False),
-    "ep4_capacity_compiled": (4, 1.0, True),
+    "ep4_exact": (4, 0.0, False, 1),
+    "ep4_capacity": (4, 1.0, False, 1),
+    "ep2_exact": (2, 0.0, False, 1),
+    "ep2_capacity": (2, 1.0, False, 1),
+    "ep4_capacity_compiled": (4, 1.0, True, 1),
+    "ep4_cap1.25_chunks2": (4, 1.25, False, 2),
+    "ep4_cap1.25_chunks4": (4, 1.25, False, 4),
+    "ep2_cap1.25_chunks2": (2, 1.25, False, 2),
+    "ep2_cap1.25_chunks4": (2, 1.25, False, 4),
+    "ep4_cap2.0_chunks2": (4, 2.0, False, 2),
+    "ep4_cap2.0_chunks4": (4, 2.0, False, 4),
+    "ep2_cap2.0_chunks4": (2, 2.0, False, 4),
+    "ep4_cap1.25_chunks2_compiled": (4, 1.25, True, 2),
 }
 
 
@@ -125,9 +160,9 @@ def _counts_case(rank: int, world: int) -> dict:
 
 def _all_cases(rank, world):
     results = {"counts": _counts_case(rank, world)}
-    for name, (ep, factor, compiled) in CASES.items():
+    for name, (ep, factor, compiled, chunks) in CASES.items():
         try:
-            results[name] = _case(rank, world, ep, factor, compiled)
+            results[name] = _case(rank, world, ep, factor, compiled, chunks)
         except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
             results[name] = {"error": traceback.format_exc()}
     return results
@@ -140,22 +175,29 @@ def results():
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_dispatch_matches_one_process(results, name):
-    ep, factor, _ = CASES[name]
+    from torchtitan_omni.modules.moe_capacity import capacity
+
+    ep, factor, _, chunks = CASES[name]
     for rank, res in enumerate(results):
         out = res[name]
         assert "error" not in out, f"rank {rank}: {out.get('error')}"
         bad = {k: v for k, v in out["errors"].items() if v > RTOL}
         assert not bad, f"rank {rank}: {bad}"
         assert out["routed"] == out["ref_routed"] and out["dropped"] == out["ref_dropped"], out
-        expected = "CapacityExpertParallelDispatcher" if factor else "ExpertParallelDispatcher"
+        if chunks > 1:
+            assert out["dropped"] == out["dropped_1"], out
+        expected = ("ChunkedCapacityExpertParallelDispatcher" if chunks > 1
+                    else "CapacityExpertParallelDispatcher" if factor
+                    else "ExpertParallelDispatcher")
         assert out["dispatcher"] == expected
     routed = [res[name]["routed"] for res in results]
     assert routed[0][0] == SIZES[0], "rank 0's tokens must all choose expert 0"
     assert sum(routed[1][4:]) == 0, "rank 1 must send nothing to experts 4-7"
     dropped = [sum(res[name]["dropped"]) for res in results]
     if factor:
-        # C = 2 slots per (rank, expert): rank 0 drops at least 10 of its 12 copies for expert 0
-        assert results[0][name]["dropped"][0] == SIZES[0] - 2, dropped
+        # C slots per (rank, expert): rank 0 drops all but C of its 12 copies for expert 0
+        cap = capacity(TOKENS, K, E, factor)
+        assert results[0][name]["dropped"][0] == SIZES[0] - cap, dropped
     else:
         assert dropped == [0, 0, 0, 0]
 

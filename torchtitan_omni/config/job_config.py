@@ -59,6 +59,13 @@ class Parallelism:
     capacity are dropped (their expert output is zero), counted and logged
     (moe/dropped_tokens). See docs/parallelism.md."""
 
+    expert_dispatch_chunks: int = 1
+    """Capacity-padded expert parallel only (expert_capacity_factor > 0): cut each (rank,
+    expert) slot block into this many chunks and overlap each chunk's dispatch all-to-all
+    with the experts of the previous chunk, and its combine all-to-all with the experts of the
+    next one. 1 (default): one exchange each way. Same drops, outputs and gradients as 1 (up
+    to float summation order); no effect without expert parallel. See docs/parallelism.md."""
+
 
 @dataclass
 class Model:

@@ -101,6 +101,15 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             f"parallelism.expert_capacity_factor must be >= 0 (0: exact dispatch, nothing "
             f"dropped), got {factor}"
         )
+    chunks = cfg.parallelism.expert_dispatch_chunks
+    if chunks < 1:
+        raise ConfigError(f"parallelism.expert_dispatch_chunks must be >= 1, got {chunks}")
+    if chunks > 1 and factor == 0:
+        raise ConfigError(
+            f"parallelism.expert_dispatch_chunks is {chunks} but expert_capacity_factor is 0: "
+            "the chunked, overlapped exchange needs the capacity-padded dispatcher (static "
+            "splits; the exact one reads its split sizes on the host)"
+        )
     for entry in cfg.omni.loss_weights:
         name, eq, value = entry.partition("=")
         try:

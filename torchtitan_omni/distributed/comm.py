@@ -6,7 +6,9 @@ across ranks exactly as activations did. They take a ``ProcessGroup`` (use
 ``mesh.get_group()``) and work on gloo (CPU) and NCCL.
 
 Expert parallel exchanges token copies with :func:`all_to_all_v` (uneven: the split sizes are
-read on the host) or :func:`all_to_all_blocks` (equal, capacity-padded blocks: no host read).
+read on the host) or :func:`all_to_all_blocks` (equal, capacity-padded blocks: no host read;
+:func:`all_to_all_blocks_start` launches one without waiting, for the chunked dispatch that
+overlaps its exchanges with the experts).
 
 Ulysses swaps a split sequence for split heads with :func:`all_to_all` (sync; PyTorch's
 functional collectives, so ``torch.compile`` traces it into a block's graph) or with the
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from torchtitan_omni.compat import all_to_all_traceable
+from torchtitan_omni.compat import all_to_all_async, all_to_all_traceable
 
 ProcessGroup = dist.ProcessGroup
 
@@ -186,6 +188,18 @@ def all_to_all_blocks(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if group.size() == 1:
         return x
     return all_to_all_traceable(x.contiguous(), group)
+
+
+def all_to_all_blocks_start(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """:func:`all_to_all_blocks` without the wait: in eager mode the result is a functional
+    collective's ``AsyncCollectiveTensor`` that waits at its first use, so the caller computes
+    meanwhile (under ``torch.compile`` the wait is traced at once; the compiler schedules it).
+    Same backward: the reverse exchange of the gradients."""
+    if x.shape[0] != group.size():
+        raise ValueError(f"all_to_all_blocks: {x.shape[0]} blocks for a group of {group.size()}")
+    if group.size() == 1:
+        return x
+    return all_to_all_async(x.contiguous(), group)
 
 
 # ----------------------------------------------------------------- uneven all-to-all (EP)

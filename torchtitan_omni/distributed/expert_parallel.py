@@ -20,7 +20,9 @@ int64 routed copies per expert. Without EP the dispatcher is the identity
 - > 0, capacity-padded: :class:`CapacityExpertParallelDispatcher` gives every (source rank,
   expert) pair a fixed number of slots (``torchtitan_omni.modules.moe_capacity``), so the
   all-to-all has equal, static blocks: no host read (the block's graph still breaks around the
-  experts' own FSDP unit). Copies beyond capacity are dropped and counted.
+  experts' own FSDP unit). Copies beyond capacity are dropped and counted. With
+  ``parallelism.expert_dispatch_chunks`` > 1 the exchange is cut into chunks overlapped with
+  the experts (``torchtitan_omni.distributed.expert_overlap``).
 
 Without EP a positive factor installs the single-rank ``CapacityDispatcher`` (same drops as
 under EP: the rule depends only on each rank's own tokens). The experts' parameters
@@ -43,6 +45,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torchtitan_omni.distributed.comm import (
     ProcessGroup, all_to_all_blocks, all_to_all_v, exchange_counts,
 )
+from torchtitan_omni.distributed.expert_overlap import ChunkedExchange
 from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
 
 
@@ -140,7 +143,7 @@ class CapacityExpertParallelDispatcher(CapacityDispatcher):
     of a rank) must be the same on every rank of the group: it sets the block size."""
 
     def __init__(self, group: ProcessGroup, num_experts: int, top_k: int, factor: float,
-                 tokens: int) -> None:
+                 tokens: int | None) -> None:
         if tokens is None:
             raise ValueError("capacity-padded expert parallel needs the tokens per micro-batch")
         super().__init__(num_experts, top_k, factor, tokens, ranks=group.size())
@@ -148,6 +151,22 @@ class CapacityExpertParallelDispatcher(CapacityDispatcher):
 
     def exchange(self, blocks: torch.Tensor) -> torch.Tensor:
         return all_to_all_blocks(blocks, self.group)
+
+
+class ChunkedCapacityExpertParallelDispatcher(ChunkedExchange, CapacityExpertParallelDispatcher):
+    """:class:`CapacityExpertParallelDispatcher` whose ``run`` exchanges in ``chunks``
+    overlapped with the experts (``torchtitan_omni.distributed.expert_overlap``); the same
+    drops and counts."""
+
+    def __init__(self, group: ProcessGroup, num_experts: int, top_k: int, factor: float,
+                 tokens: int | None, chunks: int) -> None:
+        if chunks < 1:
+            raise ValueError(f"expert dispatch chunks must be >= 1, got {chunks}")
+        super().__init__(group, num_experts, top_k, factor, tokens)
+        self.chunks = chunks
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", chunks={self.chunks})"
 
 
 def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> int:
@@ -194,12 +213,23 @@ def find_moe_layer(model: nn.Module, experts_name: str) -> nn.Module:
 
 
 def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
-                    capacity_factor: float, tokens: int | None):
+                    capacity_factor: float, tokens: int | None, chunks: int = 1):
     """The dispatcher for a layer: exact or capacity-padded (``capacity_factor`` > 0), over
-    ``group`` or local (None); None when the default local exact one fits."""
+    ``group`` or local (None); None when the default local exact one fits. ``chunks`` > 1:
+    the capacity-padded expert-parallel exchange in that many overlapped chunks
+    (``torchtitan_omni.distributed.expert_overlap``; without EP there is nothing to exchange,
+    so it has no effect)."""
+    if chunks < 1:
+        raise ValueError(f"expert dispatch chunks must be >= 1, got {chunks}")
+    if chunks > 1 and not capacity_factor > 0:
+        raise ValueError("expert dispatch chunks > 1 need the capacity-padded dispatcher "
+                         "(capacity factor > 0): the exact one reads its splits on the host")
     if capacity_factor > 0:
         if group is None or group.size() == 1:
             return CapacityDispatcher(num_experts, top_k, capacity_factor, tokens)
+        if chunks > 1:
+            return ChunkedCapacityExpertParallelDispatcher(
+                group, num_experts, top_k, capacity_factor, tokens, chunks)
         return CapacityExpertParallelDispatcher(group, num_experts, top_k, capacity_factor, tokens)
     if group is None or group.size() == 1:
         return None
@@ -207,9 +237,11 @@ def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
 
 
 def apply_expert_parallel(model: nn.Module, experts_names: list[str], ep_mesh: DeviceMesh | None,
-                          capacity_factor: float = 0.0, tokens: int | None = None) -> None:
+                          capacity_factor: float = 0.0, tokens: int | None = None,
+                          chunks: int = 1) -> None:
     """Shard each experts module over ``ep`` (when given) and install the dispatcher chosen by
-    :func:`make_dispatcher`; ``tokens``: tokens per micro-batch of a rank (capacity)."""
+    :func:`make_dispatcher`; ``tokens``: tokens per micro-batch of a rank (capacity);
+    ``chunks``: ``parallelism.expert_dispatch_chunks``."""
     group = ep_mesh.get_group() if ep_mesh is not None else None
     for name in experts_names:
         experts = model.get_submodule(name)
@@ -219,6 +251,6 @@ def apply_expert_parallel(model: nn.Module, experts_names: list[str], ep_mesh: D
             num_experts = next(experts.parameters(recurse=False)).shape[0]
         layer = find_moe_layer(model, name)
         dispatcher = make_dispatcher(num_experts, getattr(layer, "top_k", 1), group,
-                                     capacity_factor, tokens)
+                                     capacity_factor, tokens, chunks)
         if dispatcher is not None:
             layer.dispatcher = dispatcher

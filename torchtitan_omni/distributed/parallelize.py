@@ -335,9 +335,12 @@ def apply_expert_dispatch(model: nn.Module, plan: OmniParallelPlan, dims: OmniPa
         raise ValueError(f"{what} but the model's plan lists no experts modules (or none matches)")
     mesh = dims.get_mesh("ep") if dims.ep > 1 else None
     tokens = capacity_tokens(job_config, dims.sp) if factor > 0 else None
-    apply_expert_parallel(model, names, mesh, factor, tokens)
+    chunks = job_config.parallelism.expert_dispatch_chunks
+    apply_expert_parallel(model, names, mesh, factor, tokens, chunks)
     dispatch = (f"capacity factor {factor} ({tokens} tokens per rank and micro-batch)"
                 if factor > 0 else "exact")
+    if chunks > 1 and dims.ep > 1:
+        dispatch += f", exchange in {chunks} overlapped chunks"
     logger.info(f"MoE dispatch on {len(names)} experts modules: EP{dims.ep}, {dispatch}")
     return names if dims.ep > 1 else []
 

@@ -32,7 +32,10 @@ Dispatcher interface (what expert parallel replaces)
 - ``dispatcher.dropped(counts, copies)``: ``[E]`` copies it drops per expert;
 - ``dispatcher.host_sync``: whether it reads device values on the host (the exact
   expert-parallel all-to-all reads its split sizes), which makes ``torch.compile`` break the
-  block's graph there.
+  block's graph there;
+- optionally ``dispatcher.run(experts, x_sorted, counts) -> y_sorted``: a dispatcher that
+  interleaves its exchanges with the experts (the chunked expert-parallel one calls
+  ``experts`` once per chunk) does all three steps itself (:func:`run_experts`).
 
 The layer then weighs each copy by its routing weight and sums a token's k copies
 (:func:`combine`). The default :class:`LocalDispatcher` is the identity (every expert is
@@ -217,6 +220,17 @@ class GroupedExperts(nn.Module):
         init.trunc_normal_(self.w2, std=std if out_std is None else out_std)
 
 
+def run_experts(dispatcher: Dispatcher, experts: nn.Module, x_sorted: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+    """Dispatch, experts, combine: the experts' output for every sorted copy. A dispatcher
+    with a ``run`` method drives the experts itself (to overlap its communication with them)."""
+    run = getattr(dispatcher, "run", None)
+    if run is not None:
+        return run(experts, x_sorted, counts)
+    x_local, counts_local, state = dispatcher.dispatch(x_sorted, counts)
+    return dispatcher.combine(experts(x_local, counts_local), state)
+
+
 def sort_by_expert(
     expert_indices: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,10 +326,8 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         probs, weights, indices = self.route(x)
         order, counts = sort_by_expert(indices, self.num_experts)
-        x_local, counts_local, state = self.dispatcher.dispatch(
-            gather_sorted(x, order, self.top_k), counts
-        )
-        y_sorted = self.dispatcher.combine(self.experts(x_local, counts_local), state)
+        y_sorted = run_experts(self.dispatcher, self.experts,
+                               gather_sorted(x, order, self.top_k), counts)
         out = combine(y_sorted, order, weights).to(x.dtype).reshape(shape)
         dropped = self.dispatcher.dropped(counts, order.numel())
         return out, RoutingStats(probs.sum(dim=0), counts, dropped)

@@ -1,0 +1,126 @@
+"""Chunked capacity-padded expert dispatch: each chunk's all-to-alls overlap the experts of
+its neighbours (``parallelism.expert_dispatch_chunks`` > 1).
+
+The capacity-padded dispatcher (``torchtitan_omni.modules.moe_capacity``,
+``expert_parallel.CapacityExpertParallelDispatcher``) sends ``[E x C, D]`` expert-major slots in
+one all-to-all, runs the experts on all of them, and sends the outputs back in a second one:
+the experts wait for the whole exchange and the exchange back waits for the whole experts
+pass. Its splits are static (``C`` is a config value), so the exchange can be cut without any
+host read. With ``n`` chunks, chunk ``c`` holds slots ``[a_c, a_c + w_c)`` of every (source
+rank, expert) block (``w_c`` = ``C // n`` or one more; no divisibility needed, and chunks past
+``C`` are skipped). The schedule of one layer::
+
+    send(0)
+    for c in 0 .. n-1:
+        send(c + 1)             # launched, not waited
+        y_c = experts(recv(c))  # waits for chunk c only, while chunk c+1 travels
+        back(c)                 # launched, not waited: travels while chunk c+1 computes
+    wait for every back(c)
+
+Every chunk's exchange is a functional collective without its wait
+(``comm.all_to_all_blocks_start``): its result waits at its first use. Its backward is the
+reverse exchange (functional collectives' autograd), so gradients mirror the forward chunk by
+chunk; the backward waits for each gradient exchange before the next node runs (overlap in
+backward is not provided).
+
+Drops and counts are those of one chunk: the slot layout (which copies get a slot) is computed
+once with the full ``C``, and only then are the slots reordered chunk-major (a permutation of
+slot indices, folded into the one gather that fills them), so the same copies are dropped and
+:meth:`dropped` counts them as before. Per slot the experts compute the same rows, so outputs
+and gradients equal one chunk's up to float summation order (the expert weights' gradients
+sum over chunks).
+
+The experts module runs once per chunk: under FSDP (the experts' ``efsdp`` unit) each call
+passes its hooks; with ``reshard_after_forward`` the experts' parameters are gathered again per
+chunk, which this trades against the overlap (measured on GPU next).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_blocks_start
+from torchtitan_omni.modules.moe_capacity import padded_gather, slot_layout
+
+
+def chunk_widths(cap: int, chunks: int) -> list[int]:
+    """Slots per chunk of ``cap`` slots cut into ``chunks`` near-equal, non-empty pieces (the
+    first ``cap % chunks`` one slot wider; fewer pieces when ``cap < chunks``)."""
+    n = max(1, min(chunks, cap))
+    return [cap // n + (1 if c < cap % n else 0) for c in range(n)] if cap else [0]
+
+
+def chunk_major_order(experts: int, cap: int, widths: list[int],
+                      device: torch.device) -> torch.Tensor:
+    """``order[new] = old``: the ``[E x C]`` expert-major slots reordered chunk by chunk, each
+    chunk ``[E, w_c]`` expert-major (so its rows for rank j's experts are one block)."""
+    slots = torch.arange(experts * cap, device=device).view(experts, cap)
+    pieces, start = [], 0
+    for width in widths:
+        pieces.append(slots[:, start:start + width].reshape(-1))
+        start += width
+    return torch.cat(pieces)
+
+
+class ChunkedExchange:
+    """Mixin of a capacity-padded expert-parallel dispatcher (``group``, ``ranks``,
+    ``num_experts``, ``capacity()``, ``chunks``): :meth:`run` cuts the exchange into ``chunks``
+    and overlaps it with the experts (see the module docstring);
+    ``expert_parallel.ChunkedCapacityExpertParallelDispatcher`` is the class. Its
+    ``dispatch`` and ``combine`` (one chunk) stay available."""
+
+    group: ProcessGroup
+    ranks: int
+    num_experts: int
+    chunks: int
+    #: slots per (rank, expert) for a batch of copies: the dispatcher's (annotation only, so
+    #: the capacity dispatcher's method is the one found)
+    capacity: Callable[[int], int]
+
+    def run(self, experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Sorted copies ``[N * k, D]`` -> the experts' outputs, one row per copy (zero for a
+        dropped copy), chunk by chunk with the exchanges in flight during the experts."""
+        if counts.shape[0] != self.num_experts:
+            raise ValueError(
+                f"dispatch: counts has {counts.shape[0]} experts, the layer has {self.num_experts}"
+            )
+        cap = self.capacity(x.shape[0])
+        widths = chunk_widths(cap, self.chunks)
+        layout = slot_layout(counts, x.shape[0], cap)
+        total = self.num_experts * cap
+        order = chunk_major_order(self.num_experts, cap, widths, counts.device)
+        # position of every old slot in the chunk-major order; the extra entry keeps the
+        # "dropped" marker (total) of the copies without a slot
+        position = torch.empty_like(order)
+        position[order] = torch.arange(total, device=order.device)
+        position = torch.cat([position, position.new_full((1,), total)])
+        src, dst = layout.src.index_select(0, order), position.index_select(0, layout.dst)
+        slots = padded_gather(x, src, dst)
+
+        ranks, local, dim = self.ranks, self.num_experts // self.ranks, x.shape[-1]
+        bounds = [0]
+        for width in widths:
+            bounds.append(bounds[-1] + self.num_experts * width)
+
+        def send(c: int) -> torch.Tensor:
+            rows = slots[bounds[c]:bounds[c + 1]]
+            return all_to_all_blocks_start(rows.reshape(ranks, local * widths[c], dim),
+                                           self.group)
+
+        backs: list[torch.Tensor] = []
+        in_flight = send(0)
+        for c, width in enumerate(widths):
+            arrived = in_flight
+            if c + 1 < len(widths):
+                in_flight = send(c + 1)  # travels while chunk c computes
+            grouped = arrived.reshape(ranks, local, width, dim).transpose(0, 1)
+            y = experts(grouped.reshape(local, ranks * width, dim), None)
+            out_dim = y.shape[-1]
+            blocks = y.reshape(local, ranks, width, out_dim).transpose(0, 1)
+            # launched now, waited only at the end: travels while chunk c+1 computes
+            backs.append(all_to_all_blocks_start(
+                blocks.reshape(ranks, local * width, out_dim), self.group))
+        back = torch.cat([b.reshape(self.num_experts * w, -1) for b, w in zip(backs, widths)])
+        return padded_gather(back, dst, src)
