@@ -76,7 +76,7 @@ def all_reduce_traceable(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
 def all_to_all_traceable(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Even all-to-all of dim 0 through torch's functional collectives: differentiable (its
     backward is the reverse exchange) and traced by ``torch.compile``."""
-    return funcol.wait_tensor(funcol.all_to_all_single_autograd(tensor, None, None, group))
+    return funcol.wait_tensor(all_to_all_async(tensor, group))
 
 
 def all_to_all_async(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -7,8 +7,8 @@ across ranks exactly as activations did. They take a ``ProcessGroup`` (use
 
 Expert parallel exchanges token copies with :func:`all_to_all_v` (uneven: the split sizes are
 read on the host) or :func:`all_to_all_blocks` (equal, capacity-padded blocks: no host read;
-:func:`all_to_all_blocks_start` launches one without waiting, for the chunked dispatch that
-overlaps its exchanges with the experts).
+``wait=False`` launches one without waiting, for the chunked dispatch that overlaps its
+exchanges with the experts).
 
 Ulysses swaps a split sequence for split heads with :func:`all_to_all` (sync; PyTorch's
 functional collectives, so ``torch.compile`` traces it into a block's graph) or with the
@@ -178,28 +178,20 @@ def all_to_all_linear(
     return _AllToAllLinear.apply(x, weight, bias, scatter_dim, gather_dim, group)
 
 
-def all_to_all_blocks(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def all_to_all_blocks(x: torch.Tensor, group: ProcessGroup, wait: bool = True) -> torch.Tensor:
     """``x`` ``[world, ...]``: block ``j`` goes to rank ``j``; returns ``[world, ...]`` with
     block ``i`` from rank ``i``. Equal blocks, so the split sizes come from the shape alone
     (no host read); PyTorch's functional collective, traced by ``torch.compile``, whose
-    backward is the same exchange of the gradients."""
+    backward is the same exchange of the gradients. ``wait=False`` launches it without the
+    wait: in eager mode the result is an ``AsyncCollectiveTensor`` that waits at its first
+    use, so the caller computes meanwhile (under ``torch.compile`` the compiler schedules the
+    wait)."""
     if x.shape[0] != group.size():
         raise ValueError(f"all_to_all_blocks: {x.shape[0]} blocks for a group of {group.size()}")
     if group.size() == 1:
         return x
-    return all_to_all_traceable(x.contiguous(), group)
-
-
-def all_to_all_blocks_start(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """:func:`all_to_all_blocks` without the wait: in eager mode the result is a functional
-    collective's ``AsyncCollectiveTensor`` that waits at its first use, so the caller computes
-    meanwhile (under ``torch.compile`` the wait is traced at once; the compiler schedules it).
-    Same backward: the reverse exchange of the gradients."""
-    if x.shape[0] != group.size():
-        raise ValueError(f"all_to_all_blocks: {x.shape[0]} blocks for a group of {group.size()}")
-    if group.size() == 1:
-        return x
-    return all_to_all_async(x.contiguous(), group)
+    exchange = all_to_all_traceable if wait else all_to_all_async
+    return exchange(x.contiguous(), group)
 
 
 # ----------------------------------------------------------------- uneven all-to-all (EP)

@@ -18,8 +18,8 @@ rank, expert) block (``w_c`` = ``C // n`` or one more; no divisibility needed, a
     wait for every back(c)
 
 Every chunk's exchange is a functional collective without its wait
-(``comm.all_to_all_blocks_start``): its result waits at its first use. Its backward is the
-reverse exchange (functional collectives' autograd), so gradients mirror the forward chunk by
+(``comm.all_to_all_blocks(..., wait=False)``): its result waits at its first use. Its backward
+is the reverse exchange (functional collectives' autograd), so gradients mirror the forward chunk by
 chunk; the backward waits for each gradient exchange before the next node runs (overlap in
 backward is not provided).
 
@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_blocks_start
+from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_blocks
 from torchtitan_omni.modules.moe_capacity import padded_gather, slot_layout
 
 
@@ -65,27 +65,26 @@ def chunk_major_order(experts: int, cap: int, widths: list[int],
 
 
 class ChunkedExchange:
-    """Mixin of a capacity-padded expert-parallel dispatcher (``group``, ``ranks``,
-    ``num_experts``, ``capacity()``, ``chunks``): :meth:`run` cuts the exchange into ``chunks``
-    and overlaps it with the experts (see the module docstring);
+    """Mixin of a capacity-padded expert-parallel dispatcher
+    (``moe_capacity.CapacityDispatcher`` with ``group`` and ``chunks``): :meth:`run` cuts the
+    exchange into ``chunks`` and overlaps it with the experts (see the module docstring);
     ``expert_parallel.ChunkedCapacityExpertParallelDispatcher`` is the class. Its
     ``dispatch`` and ``combine`` (one chunk) stay available."""
 
     group: ProcessGroup
-    ranks: int
     num_experts: int
     chunks: int
-    #: slots per (rank, expert) for a batch of copies: the dispatcher's (annotation only, so
-    #: the capacity dispatcher's method is the one found)
+    # the capacity dispatcher's methods (annotations only, so its methods are the ones found)
     capacity: Callable[[int], int]
+    check_counts: Callable[[torch.Tensor], None]
+    rank_blocks: Callable[[torch.Tensor, int], torch.Tensor]
+    expert_rows: Callable[[torch.Tensor, int], torch.Tensor]
+    output_blocks: Callable[[torch.Tensor, int], torch.Tensor]
 
     def run(self, experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Sorted copies ``[N * k, D]`` -> the experts' outputs, one row per copy (zero for a
         dropped copy), chunk by chunk with the exchanges in flight during the experts."""
-        if counts.shape[0] != self.num_experts:
-            raise ValueError(
-                f"dispatch: counts has {counts.shape[0]} experts, the layer has {self.num_experts}"
-            )
+        self.check_counts(counts)
         cap = self.capacity(x.shape[0])
         widths = chunk_widths(cap, self.chunks)
         layout = slot_layout(counts, x.shape[0], cap)
@@ -98,16 +97,13 @@ class ChunkedExchange:
         position = torch.cat([position, position.new_full((1,), total)])
         src, dst = layout.src.index_select(0, order), position.index_select(0, layout.dst)
         slots = padded_gather(x, src, dst)
-
-        ranks, local, dim = self.ranks, self.num_experts // self.ranks, x.shape[-1]
         bounds = [0]
         for width in widths:
             bounds.append(bounds[-1] + self.num_experts * width)
 
         def send(c: int) -> torch.Tensor:
             rows = slots[bounds[c]:bounds[c + 1]]
-            return all_to_all_blocks_start(rows.reshape(ranks, local * widths[c], dim),
-                                           self.group)
+            return all_to_all_blocks(self.rank_blocks(rows, widths[c]), self.group, wait=False)
 
         backs: list[torch.Tensor] = []
         in_flight = send(0)
@@ -115,12 +111,10 @@ class ChunkedExchange:
             arrived = in_flight
             if c + 1 < len(widths):
                 in_flight = send(c + 1)  # travels while chunk c computes
-            grouped = arrived.reshape(ranks, local, width, dim).transpose(0, 1)
-            y = experts(grouped.reshape(local, ranks * width, dim), None)
-            out_dim = y.shape[-1]
-            blocks = y.reshape(local, ranks, width, out_dim).transpose(0, 1)
+            y = experts(self.expert_rows(arrived, width), None)
             # launched now, waited only at the end: travels while chunk c+1 computes
-            backs.append(all_to_all_blocks_start(
-                blocks.reshape(ranks, local * width, out_dim), self.group))
-        back = torch.cat([b.reshape(self.num_experts * w, -1) for b, w in zip(backs, widths)])
+            backs.append(all_to_all_blocks(self.output_blocks(y, width), self.group,
+                                           wait=False))
+        out_dim = backs[0].shape[-1]
+        back = torch.cat([b.reshape(self.num_experts * w, out_dim) for b, w in zip(backs, widths)])
         return padded_gather(back, dst, src)

@@ -143,28 +143,49 @@ class CapacityDispatcher:
         """``[ranks, ...]``: block j to rank j, block i back from rank i (identity here)."""
         return blocks
 
-    def dispatch(self, x: torch.Tensor, counts: torch.Tensor):
-        """Copies sorted by expert -> ``[local experts, ranks * C, D]`` (empty slots zero)."""
+    def check_counts(self, counts: torch.Tensor) -> None:
+        """Refuse routed counts of another layer (a wrong number of experts)."""
         if counts.shape[0] != self.num_experts:
             raise ValueError(
                 f"dispatch: counts has {counts.shape[0]} experts, the layer has {self.num_experts}"
             )
+
+    def rank_blocks(self, slots: torch.Tensor, width: int) -> torch.Tensor:
+        """``[E x width, D]`` expert-major slots -> ``[ranks, local experts x width, D]``: block
+        j holds rank j's experts (what one exchange sends)."""
+        local, dim = self.num_experts // self.ranks, slots.shape[-1]
+        return slots.reshape(self.ranks, local * width, dim)
+
+    def expert_rows(self, arrived: torch.Tensor, width: int) -> torch.Tensor:
+        """Exchanged ``[ranks, local x width, D]`` -> ``[local experts, ranks x width, D]``:
+        each local expert's slots from every source rank, the experts' input."""
+        local, dim = self.num_experts // self.ranks, arrived.shape[-1]
+        grouped = arrived.reshape(self.ranks, local, width, dim).transpose(0, 1)
+        return grouped.reshape(local, self.ranks * width, dim)
+
+    def output_blocks(self, y: torch.Tensor, width: int) -> torch.Tensor:
+        """Expert outputs ``[local, ranks x width, D]`` -> ``[ranks, local x width, D]``: block
+        j goes back to source rank j (the inverse of :meth:`expert_rows`)."""
+        local, dim = self.num_experts // self.ranks, y.shape[-1]
+        blocks = y.reshape(local, self.ranks, width, dim).transpose(0, 1)
+        return blocks.reshape(self.ranks, local * width, dim)
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor):
+        """Copies sorted by expert -> ``[local experts, ranks * C, D]`` (empty slots zero)."""
+        self.check_counts(counts)
         cap = self.capacity(x.shape[0])
         layout = slot_layout(counts, x.shape[0], cap)
-        local, dim = self.num_experts // self.ranks, x.shape[-1]
         slots = padded_gather(x, layout.src, layout.dst)
-        arrived = self.exchange(slots.reshape(self.ranks, local * cap, dim))
-        grouped = arrived.reshape(self.ranks, local, cap, dim).transpose(0, 1)
-        return grouped.reshape(local, self.ranks * cap, dim), None, (layout, cap)
+        arrived = self.exchange(self.rank_blocks(slots, cap))
+        return self.expert_rows(arrived, cap), None, (layout, cap)
 
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
         """Expert outputs ``[local experts, ranks * C, D]`` -> one row per sorted copy (zero
         for a dropped copy)."""
         layout, cap = state
-        local, dim = self.num_experts // self.ranks, y.shape[-1]
-        blocks = y.reshape(local, self.ranks, cap, dim).transpose(0, 1)
-        back = self.exchange(blocks.reshape(self.ranks, local * cap, dim))
-        return padded_gather(back.reshape(self.num_experts * cap, dim), layout.dst, layout.src)
+        back = self.exchange(self.output_blocks(y, cap))
+        back = back.reshape(self.num_experts * cap, y.shape[-1])
+        return padded_gather(back, layout.dst, layout.src)
 
     def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:
         """``[E]`` int64: copies this rank drops per expert."""
