@@ -93,6 +93,16 @@ def test_validate_job_config_layouts():
         validate_job_config(cfg, world_size=1)
     assert "\n" not in str(e.value)
     cfg.parallelism.expert_dispatch_chunks = 1
+    # capacity-padded MoE without expert parallel: nothing to exchange, so chunks are refused
+    moe = OmniConfigManager().parse_args(
+        ["--job.config_file", "train_configs/qwen3_moe_omni_debug.toml"])
+    moe.parallelism.expert_capacity_factor, moe.parallelism.expert_dispatch_chunks = 1.25, 2
+    with pytest.raises(ConfigError, match="expert_dispatch_chunks is 2 but "
+                                          "expert_parallel_degree is 1") as e:
+        validate_job_config(moe, world_size=1)
+    assert "\n" not in str(e.value)
+    moe.parallelism.expert_parallel_degree = 2
+    validate_job_config(moe, world_size=2)
     cfg.activation_checkpoint.mode = "memory_budget"
     with pytest.raises(ConfigError, match="memory_budget"):
         validate_job_config(cfg, world_size=1)

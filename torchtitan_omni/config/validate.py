@@ -110,6 +110,12 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             "the chunked, overlapped exchange needs the capacity-padded dispatcher (static "
             "splits; the exact one reads its split sizes on the host)"
         )
+    if chunks > 1 and cfg.parallelism.expert_parallel_degree < 2:
+        raise ConfigError(
+            f"parallelism.expert_dispatch_chunks is {chunks} but expert_parallel_degree is "
+            f"{cfg.parallelism.expert_parallel_degree}: without expert parallel there is no "
+            "exchange to cut into chunks; set it to 1"
+        )
     for entry in cfg.omni.loss_weights:
         name, eq, value = entry.partition("=")
         try:

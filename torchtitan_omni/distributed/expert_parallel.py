@@ -217,8 +217,9 @@ def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
     """The dispatcher for a layer: exact or capacity-padded (``capacity_factor`` > 0), over
     ``group`` or local (None); None when the default local exact one fits. ``chunks`` > 1:
     the capacity-padded expert-parallel exchange in that many overlapped chunks
-    (``torchtitan_omni.distributed.expert_overlap``; without EP there is nothing to exchange,
-    so it has no effect)."""
+    (``torchtitan_omni.distributed.expert_overlap``; the start-up check refuses chunks > 1
+    without EP, where there is nothing to exchange; here they leave the local dispatcher
+    as it is)."""
     if chunks < 1:
         raise ValueError(f"expert dispatch chunks must be >= 1, got {chunks}")
     if chunks > 1 and not capacity_factor > 0:
