@@ -81,14 +81,25 @@ def pass_media(batch: dict[str, torch.Tensor], encoder: nn.Module, modalities: S
 
 
 def _scatter_rows(h: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Replace ``h[b, s]`` by ``rows[index[b, s]]`` where ``index >= 0`` (out of place)."""
-    mask = index >= 0
+    """Replace ``h[b, s]`` by ``rows[index[b, s]]`` where ``index >= 0`` (out of place).
+
+    Each row fills at most one position (``protocols.batch``), so the rows are copied to their
+    positions and their gradient is a gather of those positions. Gathering ``rows`` at every
+    position instead (``rows[index.clamp(min=0)]``) sends every text position's gradient to
+    row 0: a sort-based accumulation over the whole sequence in backward, about 7 ms per
+    modality for an 8K row on an H200, where this takes microseconds."""
     if rows.shape[-1] != h.shape[-1]:
         raise ValueError(
             f"embedding width {rows.shape[-1]} does not match the LLM width {h.shape[-1]}"
         )
-    picked = rows[index.clamp(min=0)].to(h.dtype)
-    return torch.where(mask.unsqueeze(-1), picked, h)
+    b, s, d = h.shape
+    n = b * s
+    # slot[r + 1]: the flat position row r fills. Rows placed on other sequence shards keep n,
+    # a spare position cut off below; slot[0] takes the positions without a row (discarded).
+    slot = torch.full((rows.shape[0] + 1,), n, dtype=torch.long, device=h.device)
+    slot.scatter_(0, index.reshape(n) + 1, torch.arange(n, device=h.device))
+    spare = torch.cat([h.reshape(n, d), h.new_zeros(1, d)])
+    return spare.index_copy(0, slot[1:], rows.to(h.dtype))[:n].view(b, s, d)
 
 
 class OmniModel(ModelProtocol):

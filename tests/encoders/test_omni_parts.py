@@ -143,3 +143,32 @@ def test_images_and_video_share_one_vision_pass_with_the_same_rows():
     model.embed(tokens, {})
     assert calls == ["image"]  # a batch without media: one dummy pass
     hook.remove()
+
+
+def test_scatter_rows_matches_a_gather_reference_in_float64():
+    """Rows copied to their positions (gradient: a gather of those positions) equal the dense
+    formulation ``where(index >= 0, rows[index], h)``, outputs and both gradients, also when
+    some rows belong to another sequence shard (not placed here) and in several rows."""
+    from torchtitan_omni.omni_model import _scatter_rows
+
+    gen = torch.Generator().manual_seed(0)
+    b, s, d, n_rows = 2, 23, 5, 9
+    for placed in (0, 4, 9):
+        flat = torch.full((b * s,), -1, dtype=torch.long)
+        positions = torch.randperm(b * s, generator=gen)[:placed]
+        flat[positions] = torch.randperm(n_rows, generator=gen)[:placed]
+        idx = flat.view(b, s)
+        h = torch.randn(b, s, d, dtype=torch.float64, generator=gen, requires_grad=True)
+        rows = torch.randn(n_rows, d, dtype=torch.float64, generator=gen, requires_grad=True)
+        grad = torch.randn(b, s, d, dtype=torch.float64, generator=gen)
+
+        out = _scatter_rows(h, idx, rows)
+        want = torch.where((idx >= 0).unsqueeze(-1), rows[idx.clamp(min=0)], h)
+        got_grads = torch.autograd.grad(out, (h, rows), grad)
+        want_grads = torch.autograd.grad(want, (h, rows), grad)
+        assert torch.equal(out, want)
+        for got, ref in zip(got_grads, want_grads):
+            assert torch.equal(got, ref)
+        # rows not placed here get no gradient; placed rows get their position's gradient
+        unplaced = sorted(set(range(n_rows)) - set(flat[positions].tolist()))
+        assert torch.count_nonzero(got_grads[1][unplaced]) == 0

@@ -37,6 +37,10 @@ from torchtitan_omni.protocols.processing import AudioProcessing
 
 #: conv stride x pooling: mel frames per LLM token
 DOWNSAMPLE = 4
+#: the stem's input length is rounded up to a multiple of this many mel frames (1.28 s): cuDNN
+#: plans each new convolution shape (milliseconds per step when every batch brings new clip
+#: lengths), and rounded lengths repeat from batch to batch; the extra frames are masked
+FRAME_BUCKET = 128
 
 
 @dataclass
@@ -144,8 +148,9 @@ class AudioEncoder(OmniEncoder):
         """Block outputs of the valid frames, packed ``[sum_i ceil(L_i / 2), dim]``, and the
         per-item frame counts after the strided conv."""
         lens = self._checked_lengths(features, lengths)
-        features = features[..., : max(lens)]  # frames past the longest clip are all padding
-        t = features.shape[2]
+        longest = max(lens)  # frames past the longest clip are all padding
+        t = min(-(-longest // FRAME_BUCKET) * FRAME_BUCKET, 2 * self.args.max_positions)
+        features = F.pad(features[..., :longest], (0, t - longest))
         steps = torch.arange(t, device=features.device)
         valid = steps.unsqueeze(0) < lengths.to(features.device).unsqueeze(1)  # [n, T]
         x = features.to(self.conv1.weight.dtype) * valid.unsqueeze(1)
