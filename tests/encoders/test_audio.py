@@ -8,7 +8,7 @@ import torch
 from tests.encoders.hf_utils import (
     check_init_covers_everything, load_with_adapter, randomize_, rel_err, write_hf_checkpoint,
 )
-from torchtitan_omni.encoders.audio import AudioArgs, AudioEncoder, sinusoids
+from torchtitan_omni.encoders.audio import FRAME_BUCKET, AudioArgs, AudioEncoder, sinusoids
 from torchtitan_omni.modules.init import init_context
 
 LLM_DIM = 24
@@ -146,3 +146,24 @@ def test_dummy_media_init_and_errors():
         enc({"features": torch.zeros(1, N_MELS, 40), "lengths": torch.tensor([40])}, "audio")
     with pytest.raises(ValueError, match=r"audio_features must be \[n, 16, T\]"):
         enc({"features": torch.zeros(1, 8, 10), "lengths": torch.tensor([4])}, "audio")
+
+
+def test_stem_lengths_are_rounded_to_buckets_without_changing_rows():
+    """The convolutions see the longest clip rounded up to FRAME_BUCKET mel frames (capped at
+    the longest clip the encoder takes), so lengths repeat across batches; the rows equal each
+    clip encoded alone."""
+    enc = AudioEncoder(tiny_args(chunk_seconds=3.0), LLM_DIM)  # 301 frames -> limit 302
+    with init_context(enc, seed=0):
+        enc.init_weights()
+    enc = randomize_(enc, seed=1).to(torch.float64)
+    seen = []
+    hook = enc.conv1.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[2]))
+    g = torch.Generator().manual_seed(3)
+    for lengths, want in (([50, 130], 2 * FRAME_BUCKET), ([7], FRAME_BUCKET), ([290], 302)):
+        clips = [torch.randn(N_MELS, n, generator=g, dtype=torch.float64) for n in lengths]
+        seen.clear()
+        out = enc(padded(clips), "audio")
+        assert seen[0] == want
+        alone = torch.cat([enc(padded([c]), "audio") for c in clips])
+        assert torch.allclose(out, alone, rtol=0, atol=1e-12)
+    hook.remove()

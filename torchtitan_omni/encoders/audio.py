@@ -149,7 +149,8 @@ class AudioEncoder(OmniEncoder):
         per-item frame counts after the strided conv."""
         lens = self._checked_lengths(features, lengths)
         longest = max(lens)  # frames past the longest clip are all padding
-        t = min(-(-longest // FRAME_BUCKET) * FRAME_BUCKET, 2 * self.args.max_positions)
+        # at most the frames the position table covers (the length check's limit)
+        t = min(-(-longest // FRAME_BUCKET) * FRAME_BUCKET, 2 * self.positions.shape[0])
         features = F.pad(features[..., :longest], (0, t - longest))
         steps = torch.arange(t, device=features.device)
         valid = steps.unsqueeze(0) < lengths.to(features.device).unsqueeze(1)  # [n, T]
