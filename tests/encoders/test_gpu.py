@@ -82,3 +82,35 @@ def test_gen_decoder_on_gpu():
     loss.backward()
     assert dec.head.layers[0].weight.grad is not None
     assert dec.lm_generate(ids.view(2, -1)).shape == (2, 3, 16, 16)
+
+
+def test_encoders_queue_their_work_without_host_waits():
+    """With item sizes on the host (as the trainer passes them), the vision and audio encoders'
+    forward and backward never make the host wait for the GPU (a wait would empty the queue
+    before their launch-bound blocks): ``set_sync_debug_mode("error")`` raises at any
+    synchronizing op."""
+    from tests.encoders.test_audio import N_MELS, tiny_args as audio_args
+    from tests.encoders.test_vision import items_media, tiny_args
+    from torchtitan_omni.encoders.audio import AudioEncoder
+    from torchtitan_omni.encoders.vision import VisionEncoder
+
+    _, vision = _pair(VisionEncoder(tiny_args(dim=64, n_heads=2), 32))
+    _, audio = _pair(AudioEncoder(audio_args(dim=64), 32))
+    g = torch.Generator().manual_seed(0)
+    frames = [torch.randn(1, 3, 16, 24, generator=g), torch.randn(4, 3, 8, 16, generator=g)]
+    pix = items_media(vision, frames, torch.bfloat16)
+    pix["patches"] = pix["patches"].cuda()
+    sound = {"features": torch.randn(3, N_MELS, 33, device="cuda", dtype=torch.bfloat16),
+             "lengths": torch.tensor([5, 33, 12])}
+
+    def step():
+        loss = vision(pix, "video").float().sum() + audio(sound, "audio").float().sum()
+        loss.backward()
+
+    step()  # first calls: lazy set-up (cuBLAS handles, allocator) may synchronize
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

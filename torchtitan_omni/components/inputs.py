@@ -16,12 +16,13 @@ def model_inputs(
     cu = batch[B.CU_SEQLENS]
     max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     whole_rows = B.whole_rows(cu, labels.shape[0], batch.get(B.REAL_TOKENS))
-    moved = {k: v.to(device, non_blocking=True) for k, v in batch.items()
-             if isinstance(v, torch.Tensor)}
+    # item sizes stay on the host: the encoders read them there (B.is_item_sizes)
+    moved = {k: v if B.is_item_sizes(k, v) else v.to(device, non_blocking=True)
+             for k, v in batch.items() if isinstance(v, torch.Tensor)}
     meta = AttentionMeta(
         cu_seqlens=moved.pop(B.CU_SEQLENS), max_seqlen=max_seqlen,
         position_ids=moved.pop(B.POSITION_IDS), whole_rows=whole_rows,
     )
     moved.pop(B.REAL_TOKENS, None)
     tokens = moved.pop(B.INPUT)
-    return tokens, meta, labels.to(device), moved
+    return tokens, meta, labels.to(device, non_blocking=True), moved

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from torchtitan_omni.compat import all_to_all_async, all_to_all_traceable
+from torchtitan_omni.platform import local_device
 
 ProcessGroup = dist.ProcessGroup
 
@@ -218,6 +219,9 @@ def all_to_all_v(
         raise ValueError(f"all_to_all_v needs {group.size()} splits, got {in_splits}, {out_splits}")
     if sum(in_splits) != x.shape[0]:
         raise ValueError(f"all_to_all_v: splits {in_splits} do not cover {x.shape[0]} rows")
+    if x.device.type == "cpu" and "gloo" not in str(dist.get_backend(group)):
+        # item sizes live on the host (protocols.batch.is_item_sizes); NCCL moves device memory
+        return all_to_all_v(x.to(local_device()), out_splits, in_splits, group).cpu()
     return _AllToAllV.apply(x, list(out_splits), list(in_splits), group)
 
 

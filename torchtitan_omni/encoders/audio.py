@@ -25,11 +25,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchtitan_omni.encoders.blocks import EncoderBlock, init_layer_norm, packed_meta, run_blocks
+from torchtitan_omni.encoders.blocks import EncoderBlock, init_layer_norm, packed_meta, EncoderStack
 from torchtitan_omni.encoders.hf import Qwen2AudioAdapter, WhisperEncoderAdapter
 from torchtitan_omni.encoders.projector import MLPProjector
 from torchtitan_omni.modules import init
 from torchtitan_omni.modules.attention import SelfAttention
+from torchtitan_omni.modules.host import to_device
 from torchtitan_omni.modules.mlp import GeluMLP
 from torchtitan_omni.protocols.batch import AUDIO
 from torchtitan_omni.protocols.modules import OmniEncoder
@@ -112,8 +113,15 @@ def pair_pool_index(lengths: list[int], device: torch.device) -> tuple[torch.Ten
         first += a
         second += [min(i + 1, start + n - 1) for i in a]
         start += n
-    return (torch.tensor(first, dtype=torch.long, device=device),
-            torch.tensor(second, dtype=torch.long, device=device))
+    return to_device(first, device, torch.long), to_device(second, device, torch.long)
+
+
+def valid_rows(lengths: list[int], padded: int, device: torch.device) -> torch.Tensor:
+    """Rows of a flattened ``[n, padded, ...]`` batch of items holding the first
+    ``lengths[i]`` rows of item ``i``, items back to back (a boolean mask's rows, without the
+    host wait of a boolean-mask index)."""
+    rows = [i * padded + j for i, n in enumerate(lengths) for j in range(n)]
+    return to_device(rows, device, torch.long)
 
 
 class AudioEncoder(OmniEncoder):
@@ -130,7 +138,7 @@ class AudioEncoder(OmniEncoder):
         self.conv1 = nn.Conv1d(args.n_mels, args.dim, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(args.dim, args.dim, kernel_size=3, stride=2, padding=1)
         self.register_buffer("positions", sinusoids(args.max_positions, args.dim), persistent=False)
-        self.blocks = nn.ModuleList(self._block() for _ in range(args.n_layers))
+        self.blocks = EncoderStack(self._block() for _ in range(args.n_layers))
         self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.projector = MLPProjector(args.dim, llm_dim, args.projector_hidden or llm_dim,
                                       args.projector_depth)
@@ -153,16 +161,15 @@ class AudioEncoder(OmniEncoder):
         t = min(-(-longest // FRAME_BUCKET) * FRAME_BUCKET, 2 * self.positions.shape[0])
         features = F.pad(features[..., :longest], (0, t - longest))
         steps = torch.arange(t, device=features.device)
-        valid = steps.unsqueeze(0) < lengths.to(features.device).unsqueeze(1)  # [n, T]
+        valid = steps.unsqueeze(0) < to_device(lens, features.device).unsqueeze(1)  # [n, T]
         x = features.to(self.conv1.weight.dtype) * valid.unsqueeze(1)
         x = F.gelu(self.conv1(x)) * valid.unsqueeze(1)
         x = F.gelu(self.conv2(x)).transpose(1, 2)  # [n, ceil(T / 2), dim]
         half = [(length + 1) // 2 for length in lens]
         x = x + self.positions[: x.shape[1]].to(x.dtype)
-        valid2 = torch.arange(x.shape[1], device=x.device).unsqueeze(0) < torch.tensor(
-            half, device=x.device).unsqueeze(1)
-        x = x[valid2]  # items back to back, valid frames only
-        return run_blocks(self.blocks, x, packed_meta(half, x.device)), half
+        # items back to back, valid frames only
+        x = x.flatten(0, 1).index_select(0, valid_rows(half, x.shape[1], x.device))
+        return self.blocks(x, packed_meta(half, x.device)), half
 
     def lm_encode(self, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
         for key in ("features", "lengths"):
@@ -187,7 +194,7 @@ class AudioEncoder(OmniEncoder):
     def dummy_media(self, modality: str, device: torch.device) -> dict[str, torch.Tensor]:
         return {
             "features": torch.zeros(1, self.args.n_mels, DOWNSAMPLE, device=device),
-            "lengths": torch.tensor([DOWNSAMPLE], dtype=torch.long, device=device),
+            "lengths": torch.tensor([DOWNSAMPLE], dtype=torch.long),  # sizes stay on the host
         }
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_omni.modules import init
+from torchtitan_omni.modules.host import to_device
 from torchtitan_omni.modules.lora import is_lora
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.modules.mlp import GeluMLP
@@ -37,7 +38,7 @@ def packed_meta(
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + int(n))
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    cu = to_device(bounds, device, torch.int32)
     if position_ids is None:
         # No rotary embedding reads them; kept for the AttentionMeta contract.
         position_ids = torch.zeros(bounds[-1], dtype=torch.long, device=device)
@@ -156,8 +157,11 @@ def init_layer_norm(norm: nn.LayerNorm) -> None:
         init.zeros_(norm.bias)
 
 
-def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-    """Apply the blocks in order to a packed sequence ``[T, dim]``."""
-    for block in blocks:
-        x = block(x, meta)
-    return x
+class EncoderStack(nn.ModuleList):
+    """An encoder's blocks, applied in order to a packed sequence ``[T, dim]`` (one module, so
+    that a plan may compile the whole stack as one region instead of block by block)."""
+
+    def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        for block in self:
+            x = block(x, meta)
+        return x

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from torchtitan_omni.encoders.blocks import EncoderBlock, init_layer_norm, packed_meta, run_blocks
+from torchtitan_omni.encoders.blocks import EncoderBlock, init_layer_norm, packed_meta, EncoderStack
 from torchtitan_omni.encoders.hf import JanusVisionAdapter, SiglipVisionAdapter
 from torchtitan_omni.encoders.projector import MLPProjector
 from torchtitan_omni.modules import init
@@ -92,7 +92,7 @@ class SiglipEncoder(OmniEncoder):
         self.llm_dim = llm_dim
         self.patch_embed = nn.Conv2d(args.in_channels, args.dim, args.patch_size, args.patch_size)
         self.pos_embed = nn.Parameter(torch.empty(args.num_patches, args.dim))
-        self.blocks = nn.ModuleList(
+        self.blocks = EncoderStack(
             EncoderBlock(
                 args.dim,
                 SelfAttention(args.dim, args.n_heads, qkv_bias=True, out_bias=True, causal=False),
@@ -113,7 +113,7 @@ class SiglipEncoder(OmniEncoder):
         n, s, _ = x.shape
         # Each image is one document of the packed sequence (varlen attention, no mask).
         meta = packed_meta([s] * n, x.device)
-        x = run_blocks(self.blocks, x.reshape(n * s, -1), meta)
+        x = self.blocks(x.reshape(n * s, -1), meta)
         return self.post_norm(x).reshape(n, s, -1)
 
     # ----------------------------------------------------------------- contract

@@ -29,11 +29,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_omni.encoders.blocks import (
-    EncoderBlock, FusedQKVAttention, QuickGeluMLP, apply_rotary, packed_meta, run_blocks,
+    EncoderBlock, EncoderStack, FusedQKVAttention, QuickGeluMLP, apply_rotary, packed_meta,
 )
 from torchtitan_omni.encoders.hf import Qwen2VLVisionAdapter
 from torchtitan_omni.encoders.projector import PatchMerger
 from torchtitan_omni.modules import init
+from torchtitan_omni.modules.host import to_device
 from torchtitan_omni.modules.mlp import GeluMLP
 from torchtitan_omni.protocols.batch import IMAGE, VIDEO
 from torchtitan_omni.protocols.modules import OmniEncoder
@@ -211,7 +212,7 @@ class VisionEncoder(OmniEncoder):
         self.rope = VisionRotary2D(args.head_dim, args.rope_theta)
         mlp_dim = int(args.dim * args.mlp_ratio)
         mlp_cls = QuickGeluMLP if args.hidden_act == "quick_gelu" else GeluMLP
-        self.blocks = nn.ModuleList(
+        self.blocks = EncoderStack(
             EncoderBlock(args.dim, FusedQKVAttention(args.dim, args.n_heads, rope=self.rope),
                          mlp_cls(args.dim, mlp_dim), args.norm_eps)
             for _ in range(args.depth)
@@ -236,7 +237,7 @@ class VisionEncoder(OmniEncoder):
         m = self.args.merge_size
         return {
             "patches": torch.zeros(m * m, self.args.patch_dim, device=device),
-            "grid_thw": torch.tensor([[1, m, m]], dtype=torch.long, device=device),
+            "grid_thw": torch.tensor([[1, m, m]], dtype=torch.long),  # item sizes stay on the host
         }
 
     def output_rows(self, media: dict[str, torch.Tensor], modality: str) -> int:
@@ -247,10 +248,10 @@ class VisionEncoder(OmniEncoder):
         x = self.patch_embed(patches)
         # Built on the host from the grid already read, then one copy (no per-item kernels).
         positions = merge_window_positions(grid, self.args.merge_size, torch.device("cpu"))
-        positions = positions.to(x.device, non_blocking=True)
+        positions = to_device(positions, x.device)
         # The rotary tables depend only on the positions: computed once for all the blocks.
         meta = packed_meta(self._segments(grid), x.device, positions, self.rope.tables(positions))
-        return self.merger(run_blocks(self.blocks, x, meta))
+        return self.merger(self.blocks(x, meta))
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         init.trunc_normal_(self.patch_embed.weight, std=0.02)

@@ -23,7 +23,10 @@ Sequence-level tensors (never sliced):
 
 Media tensors, named ``<modality>_<what>`` and defined by the modality's processor (for
 instance ``image_patches`` and ``image_grid_thw``); they belong to the encoder or decoder that
-declares the modality and are never sliced.
+declares the modality and are never sliced. Their integer tensors describe the items (grids,
+lengths: :func:`is_item_sizes`) and stay on the host when the batch moves to the device, so
+the encoders read them without waiting for the device (``torchtitan_omni.modules.host``);
+an encoder must accept them on either side (generation moves everything).
 """
 
 from __future__ import annotations
@@ -60,6 +63,13 @@ def target_index_key(decoder: str) -> str:
 def is_token_aligned(key: str) -> bool:
     """Whether a batch tensor is laid out ``[B, S]`` along the token sequence."""
     return key in (INPUT, POSITION_IDS) or key.endswith(("_embed_index", "_target_index"))
+
+
+def is_item_sizes(key: str, value: torch.Tensor) -> bool:
+    """Whether a batch tensor is a media tensor of item sizes (an integer tensor that is not
+    token-aligned, e.g. ``image_grid_thw``, ``audio_lengths``): kept on the host."""
+    return (not value.is_floating_point() and not is_token_aligned(key)
+            and key not in (CU_SEQLENS, REAL_TOKENS))
 
 
 def media(batch: dict[str, torch.Tensor], modality: str) -> dict[str, torch.Tensor]:
