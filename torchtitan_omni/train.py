@@ -12,7 +12,12 @@ Run as ``python -m torchtitan_omni.train --job.config_file CONFIG [--section.key
 - ``[validation]`` runs ``torchtitan_omni.eval.validator.OmniValidator`` (held-out loss per
   named loss and per document modality mix).
 - MoE foundations' expert load per layer and dropped token copies are logged
-  (``torchtitan_omni.components.moe_metrics``), read on the host once per log step.
+  (``torchtitan_omni.components.moe_metrics``), read on the host once per log step;
+- non-colocated encoders (``[parallelism.parts."encoders.<name>"] ranks``): each rank set
+  gets its own meshes (``distributed.rank_sets``) and share of the model
+  (``distributed.split_model``); LLM ranks exchange each micro-batch's media with the encoder
+  ranks before the forward (``EncoderClient``), encoder ranks serve them
+  (``torchtitan_omni.encoder_ranks``); the gradient norm is the job's on every rank.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from functools import partial
+from typing import Any
 
 import torchtitan_omni  # noqa: F401  (selects the device before TorchTitan's trainer loads)
 import torch
@@ -33,6 +40,7 @@ from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import init_logger, logger
+from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.train import Trainer
 
 from torchtitan_omni.checkpoint import setup_checkpointing, titan_checkpointer_off
@@ -43,9 +51,29 @@ from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
 from torchtitan_omni.components.quantization import add_omni_float8_filters
 from torchtitan_omni.distributed.boundary import balance_metrics
 from torchtitan_omni.distributed.compile import compiled_graphs
+from torchtitan_omni.distributed.noncolocated import (
+    EncoderClient,
+    EncoderServer,
+    RankSets,
+    combine_grad_norms,
+    encoder_client,
+    share_from_llm,
+)
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
+from torchtitan_omni.distributed.rank_sets import (
+    RankSetDims,
+    agreed_seed,
+    encoder_ranks_of,
+    rank_set_dims,
+)
 from torchtitan_omni.distributed.sequence import shard_sequence
 from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_, reduce_moe_counts
+from torchtitan_omni.encoder_ranks import (
+    NoBatches,
+    encoder_ranks_spec,
+    llm_accumulation_steps,
+    serve_encoders,
+)
 from torchtitan_omni.errors import OmniInputError
 from torchtitan_omni.flops import FlopCounter
 from torchtitan_omni.platform import is_cpu
@@ -72,8 +100,15 @@ class OmniTrainer(Trainer):
                 self.validator.maybe_enable_amp = self.maybe_enable_amp
         dims: OmniParallelDims = self.parallel_dims
         self.sp_rank = dims.get_mesh("sp").get_local_rank() if dims.sp_enabled else 0
-        self.flop_counter = FlopCounter(self.model_parts[0])
         self.last_losses: dict[str, float] = {}
+        #: non-colocated encoders: the rank sets, and this rank's side of the exchange
+        self.rank_sets: RankSets | None = None
+        self.encoder_client: EncoderClient | None = None
+        self.encoder_server: EncoderServer | None = None
+        if isinstance(dims, RankSetDims):
+            self._join_rank_set(dims)
+        if self.encoder_server is None:
+            self.flop_counter = FlopCounter(self.model_parts[0])
         logger.info(output_locations(job_config))
         #: routing counts since the last log step, on the device
         self.moe_counter = MoECounter()
@@ -85,7 +120,41 @@ class OmniTrainer(Trainer):
             cfg.comm, enable_cpu_backend=cfg.training.enable_cpu_offload,
             base_folder=cfg.job.dump_folder,
         )
-        return OmniParallelDims.from_config(cfg.parallelism, world_size)
+        encoder_ranks = encoder_ranks_of(cfg.parallelism)
+        if not encoder_ranks:
+            return OmniParallelDims.from_config(cfg.parallelism, world_size)
+        # TorchTitan agrees on a seed over the world only when its dims span several ranks;
+        # a rank set may be one rank, so every rank takes the same seed here
+        cfg.debug.seed = agreed_seed(cfg.debug.seed)
+        return rank_set_dims(world_size, encoder_ranks)
+
+    @property
+    def train_spec(self) -> TrainSpec:
+        """The job's train spec; on an encoder rank without tokenizer and data loader
+        (``encoder_ranks``), as TorchTitan's ``Trainer.__init__`` reads it."""
+        return self._train_spec
+
+    @train_spec.setter
+    def train_spec(self, spec: TrainSpec) -> None:
+        dims = getattr(self, "parallel_dims", None)
+        on_encoders = isinstance(dims, RankSetDims) and dims.on_encoders
+        self._train_spec = encoder_ranks_spec(spec) if on_encoders else spec
+
+    def _join_rank_set(self, dims: RankSetDims) -> None:
+        """This rank's side of non-colocated encoders: the server on an encoder rank (with
+        the LLM ranks' micro-batch count), the stubs' client on an LLM rank."""
+        self.rank_sets = dims.rank_sets
+        model = self.model_parts[0]
+        if dims.on_encoders:
+            self.encoder_server = EncoderServer(dims.rank_sets, model.encoders, self.device,
+                                                run=model)
+            self.gradient_accumulation_steps = llm_accumulation_steps(
+                self.job_config, len(dims.rank_sets.llm))
+            self.dataloader = NoBatches()  # after the checkpointer: no data state to keep
+            logger.info(f"Encoder rank: serves the LLM ranks' {self.gradient_accumulation_steps} "
+                        "micro-batch(es) per step; reads no data")
+        else:
+            self.encoder_client = encoder_client(model)
 
     def batch_generator(self, data_iterable: Iterable[Batch]) -> Iterator[Batch]:
         """Yield batches on CPU, counting real tokens and data-loading time."""
@@ -113,6 +182,9 @@ class OmniTrainer(Trainer):
         ``absent``: modalities no rank has in this micro-batch (their parts are skipped)."""
         model = self.model_parts[0]
         tokens, meta, labels, media = model_inputs(input_dict, labels, self.device)
+        if self.encoder_client is not None:
+            # the media out to the encoder ranks, their rows back for the stubs
+            self.encoder_client.exchange(media, absent)
         with self.train_context(), self.maybe_enable_amp:
             out = model(tokens, meta, labels, absent=absent, **media)
             loss, parts = self.loss_fn(out.losses, global_counts, out.aux_losses, aux_contributions)
@@ -122,6 +194,9 @@ class OmniTrainer(Trainer):
         return {k: v.detach() for k, v in parts.items()}
 
     def train_step(self, data_iterator: Iterator[Batch]) -> None:
+        if self.encoder_server is not None:
+            serve_encoders(self, self.encoder_server)
+            return
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         dims: OmniParallelDims = self.parallel_dims
@@ -163,9 +238,10 @@ class OmniTrainer(Trainer):
                 sums[name] = sums[name] + value if name in sums else value
         self.moe_counter.end_step()
 
-        grad_norm = clip_grad_norm_(
-            [p for m in self.model_parts for p in m.parameters()], self.job_config.training.max_norm
-        )
+        # non-colocated encoders: the norm of both rank sets' gradients, as colocated
+        combine = partial(combine_grad_norms, ranks=self.rank_sets) if self.rank_sets else None
+        params = [p for m in self.model_parts for p in m.parameters()]
+        grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm, combine=combine)
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()
@@ -190,14 +266,24 @@ class OmniTrainer(Trainer):
         )
         max_loss = float(all_reduce(local_text.reshape(1), loss_mesh, op="max")[0])
         self.last_losses = losses
-        self.metrics_processor.log_losses(
-            self.step, total, max_loss, losses, float(grad_norm),
-            extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr,
-                           **{f"targets/{n}": int(c) for n, c in global_counts.items()},
-                           **self._skipped_samples(), **self._compile_stats(),
-                           **self._moe_stats(),
-                           **balance_metrics(getattr(self.model_parts[0], "encoders", {}))},
-        )
+        extra = {"n_tokens_seen": self.ntokens_seen, "lr": lr,
+                 **{f"targets/{n}": int(c) for n, c in global_counts.items()},
+                 **self._skipped_samples(), **self._compile_stats(), **self._moe_stats(),
+                 **balance_metrics(getattr(self.model_parts[0], "encoders", {}))}
+        if self.rank_sets is not None:
+            # the encoder ranks log this line too (encoder_ranks.log_shared_line)
+            share_from_llm(self.log_line(total, max_loss, losses, float(grad_norm), extra),
+                           self.rank_sets)
+        self.metrics_processor.log_losses(self.step, total, max_loss, losses, float(grad_norm),
+                                          extra_metrics=extra)
+
+    def log_line(self, total: float, max_loss: float, losses: dict[str, float],
+                 grad_norm: float, extra: dict[str, Any]) -> dict[str, Any]:
+        """This step's log line as the encoder ranks take it (before the counters reset)."""
+        metrics = self.metrics_processor
+        return {"step": self.step, "total": total, "max_loss": max_loss, "losses": losses,
+                "grad_norm": grad_norm, "extra": extra, "ntokens": metrics.ntokens_since_last_log,
+                "flops": metrics.flops_since_last_log}
 
     def _compile_stats(self) -> dict[str, int]:
         """Graphs compiled so far (stops growing after the first steps)."""

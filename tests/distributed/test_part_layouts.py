@@ -111,16 +111,16 @@ def test_frozen_parts_keep_the_plan_mesh_unless_their_own_table_says_otherwise()
      'parallelism.parts."llm": the foundation is laid out by [activation_checkpoint]'),
     ('[parallelism.parts."encoders.vision"]\nfsdp = "none"\n',
      'unknown key parallelism.parts."encoders.vision".fsdp (keys: fsdp_mesh, '
-     "sequence_parallel, activation_checkpoint) (did you mean 'fsdp_mesh'?) in "),
+     "sequence_parallel, activation_checkpoint, ranks) (did you mean 'fsdp_mesh'?) in "),
     ('[parallelism.parts."encoders.vision"]\nfsdp_mesh = "shard"\n',
      'parallelism.parts."encoders.vision".fsdp_mesh must be one of \'plan\', \'fsdp\', '
      "'dp_shard', 'none', got 'shard'"),
     ('[parallelism.parts."encoders.audio"]\nactivation_checkpoint = true\n',
      'parallelism.parts."encoders.audio".activation_checkpoint must be one of \'none\', '
      "'full', 'op', got True"),
-    ('[parallelism.parts."encoders.vision"]\nranks = [0]\n',
-     'parallelism.parts."encoders.vision".ranks: non-colocated encoders (a disjoint rank set) '
-     "are not yet supported by the trainer"),
+    ('[parallelism.parts."encoders.vision"]\nranks = [0]\n',  # tests/distributed/
+     'parallelism.parts."encoders.audio".ranks is not set while '  # test_noncolocated_trainer
+     'parallelism.parts."encoders.vision".ranks is'),
     ('[parallelism.parts."encoders.vision"]\nsequence_parallel = "scatter"\n',
      "must be one of 'replicate', 'split', 'balance', got 'scatter'"),
     ('[parallelism.parts]\n"encoders.vision" = "none"\n',

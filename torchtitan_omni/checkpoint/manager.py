@@ -58,7 +58,7 @@ from torchtitan_omni.checkpoint.optimizer_state import CompleteOptimizerState
 from torchtitan_omni.checkpoint.parts import state_tensors
 from torchtitan_omni.checkpoint.stateful import RNG, DataloaderState, RNGState
 from torchtitan_omni.compat import TitanCheckpointManager
-from torchtitan_omni.distributed.utils import all_reduce
+from torchtitan_omni.distributed.utils import all_reduce_world
 from torchtitan_omni.errors import CheckpointFormatError
 from torchtitan_omni.modules.lora import adapter_names, is_adapter_key
 from torchtitan_omni.platform import local_device
@@ -66,11 +66,17 @@ from torchtitan_omni.platform import local_device
 _MAX_LISTED = 20
 
 
-def layout_of(parallel_dims) -> dict[str, int]:
-    """The parallel degrees a checkpoint records (RNG states are restored only under equal)."""
+def layout_of(parallel_dims) -> dict[str, Any]:
+    """The parallel degrees a checkpoint records (RNG states are restored only under equal).
+    With non-colocated encoders (``distributed.rank_sets``), the same on both rank sets: the
+    whole world, the encoder ranks and the LLM ranks' degrees."""
     names = ("world_size", "dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
-    out = {n: int(getattr(parallel_dims, n)) for n in names}
+    out: dict[str, Any] = {n: int(getattr(parallel_dims, n)) for n in names}
     out["sp"] = out.pop("cp")
+    sets = getattr(parallel_dims, "rank_sets", None)
+    if sets is not None:
+        out.update(world_size=len(sets.encoders) + len(sets.llm), dp_shard=len(sets.llm),
+                   encoder_ranks=list(sets.encoders))
     return out
 
 
@@ -261,7 +267,8 @@ class OmniCheckpointManager(TitanCheckpointManager):
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
         t = torch.tensor([step, -step], dtype=torch.int64, device=local_device())
-        hi, neg_lo = (int(v) for v in all_reduce(t, self.parallel_dims.world_mesh, op="max"))
+        # every process: with non-colocated encoders the world mesh spans one rank set
+        hi, neg_lo = (int(v) for v in all_reduce_world(t, op="max"))
         if hi != -neg_lo:
             raise RuntimeError(
                 f"ranks disagree on the checkpoint to resume from in {self.folder} (steps "

@@ -8,8 +8,9 @@ A table is keyed by a part's qualified name as the model names it (``"encoders.v
   ("replicate", "split", "balance");
 - ``activation_checkpoint``: as ``omni.encoder_activation_checkpoint`` ("none", "full", "op").
 
-``ranks`` (non-colocated encoders, ``torchtitan_omni.distributed.noncolocated``) is refused
-with one line: the trainer does not run that layout yet.
+- ``ranks`` (encoders only): the global ranks the encoder runs on, apart from the LLM
+  (non-colocated encoders; what goes with it is checked by
+  ``torchtitan_omni.config.noncolocated``).
 
 A key a table leaves out takes the global key's value. The allowed values are read from the
 global keys' annotations, so the two cannot drift apart.
@@ -28,14 +29,7 @@ import typing
 from typing import Any
 
 from torchtitan_omni.config.job_config import Omni, Parallelism
-from torchtitan_omni.distributed.part_layouts import GLOBAL_KEYS, key_name
-
-#: keys designed but not yet taken by the trainer -> why they are refused
-PLANNED = {
-    "ranks": "non-colocated encoders (a disjoint rank set) are not yet supported by the "
-             "trainer (torchtitan_omni.distributed.noncolocated; docs/parallelism.md)",
-}
-
+from torchtitan_omni.distributed.part_layouts import GLOBAL_KEYS, RANKS_KEY, key_name
 
 def _choices(section: type, key: str) -> tuple[str, ...]:
     return typing.get_args(typing.get_type_hints(section)[key])
@@ -65,11 +59,16 @@ def table_problem(parts: Any) -> str | None:
             return (f"{key_name(part)} must be a table ([{key_name(part)}] with keys "
                     f"{', '.join(GLOBAL_KEYS)}), got {table!r}")
         for key, value in table.items():
-            if key in PLANNED:
-                return f"{key_name(part, key)}: {PLANNED[key]}"
+            if key == RANKS_KEY:
+                if not (isinstance(value, list)
+                        and all(isinstance(r, int) and not isinstance(r, bool) for r in value)):
+                    return (f"{key_name(part, key)} must be a list of rank numbers "
+                            f"(e.g. [0]), got {value!r}")
+                continue
             if key not in CHOICES:
-                return (f"unknown key {key_name(part, key)} (keys: {', '.join(GLOBAL_KEYS)})"
-                        f"{_suggest(key, list(GLOBAL_KEYS))}")
+                keys = [*GLOBAL_KEYS, RANKS_KEY]
+                return (f"unknown key {key_name(part, key)} (keys: {', '.join(keys)})"
+                        f"{_suggest(key, keys)}")
             if not isinstance(value, str) or value not in CHOICES[key]:
                 return (f"{key_name(part, key)} must be one of "
                         f"{', '.join(repr(c) for c in CHOICES[key])}, got {value!r}")

@@ -5,8 +5,9 @@ table of what the omni trainer honours (``torchtitan_omni.config.unsupported``: 
 then value checks), the parallel degrees against the world size, torchtitan-omni's own
 sections, the model name and flavor, and the model-dependent constraints the spec's model args
 declare (``validate_parallelism``: Ulysses degree vs. attention heads, expert-parallel degree
-vs. experts), the per-part layouts (``parallelism.parts``) against the model's parts, and the
-``[lora]`` settings against the model's module names.
+vs. experts), the per-part layouts (``parallelism.parts``) against the model's parts (and
+non-colocated encoders, ``torchtitan_omni.config.noncolocated``: the parallel degrees are then
+the LLM ranks'), and the ``[lora]`` settings against the model's module names.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import get_train_spec
 
 import torchtitan_omni.models  # noqa: F401  (registers the zoo's specs, which are checked here)
+from torchtitan_omni.config.noncolocated import model_ranks_problem, ranks_problem
 from torchtitan_omni.config.parts import table_problem
 from torchtitan_omni.config.unsupported import check_values, refuse_unsupported
 from torchtitan_omni.config.values import Context
@@ -30,6 +32,7 @@ from torchtitan_omni.data.default_dataset import DEFAULT_NAME
 from torchtitan_omni.data.loader import build_omni_dataloader, check_data_config
 from torchtitan_omni.data.tokenizer import tokenizer_folder
 from torchtitan_omni.distributed.checks import parts_problem, plan_problem
+from torchtitan_omni.distributed.rank_sets import encoder_ranks_of
 from torchtitan_omni.errors import ConfigError, OmniInputError
 from torchtitan_omni.lora import apply_lora_config
 from torchtitan_omni.protocols.model import llm_layers_problem
@@ -90,10 +93,11 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raise :class:`ConfigError` for the first impossible setting found."""
     world_size = world_size_from_env() if world_size is None else world_size
     refuse_unsupported(cfg)
-    problem = table_problem(cfg.parallelism.parts)
+    problem = table_problem(cfg.parallelism.parts) or ranks_problem(cfg, world_size)
     if problem:
         raise ConfigError(problem)
-    degrees = resolved_degrees(cfg, world_size)
+    # non-colocated encoders: the parallel degrees are the LLM ranks'
+    degrees = resolved_degrees(cfg, world_size - len(encoder_ranks_of(cfg.parallelism)))
     check_values(cfg, Context(world_size, degrees))
     factor = cfg.parallelism.expert_capacity_factor
     if not (factor >= 0 and math.isfinite(factor)):
@@ -248,7 +252,9 @@ def _validate_parts(cfg: JobConfig, spec, args, degrees: dict[str, int]) -> None
         or any(t.get("sequence_parallel") == "balance" for t in cfg.parallelism.parts.values()))
     if not (cfg.parallelism.parts or balance):
         return
-    problem = parts_problem(_model_on_meta(spec, args), cfg, encoder_ranks)
+    model = _model_on_meta(spec, args)
+    problem = (parts_problem(model, cfg, encoder_ranks)
+               or model_ranks_problem(cfg, list(getattr(model, "encoders", None) or {})))
     if problem:
         raise ConfigError(problem)
 

@@ -30,7 +30,7 @@ gradients are sums over every LLM rank's loss, as with colocated encoders.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -253,6 +253,11 @@ class RemoteEncoder(OmniEncoder):
         self.__dict__["_omni_spec"], self.__dict__["_omni_client"] = spec, client
         self._omni_name = name
 
+    @property
+    def client(self) -> EncoderClient:
+        """The client that feeds this stub."""
+        return self._omni_client
+
     def lm_encode(self, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
         return self._omni_client.take(self._omni_name)
 
@@ -334,16 +339,29 @@ def install_remote_encoders(model: nn.Module, ranks: RankSets) -> EncoderClient:
     return client
 
 
+def encoder_client(model: nn.Module) -> EncoderClient | None:
+    """The client feeding ``model``'s ``RemoteEncoder`` stubs, or None (colocated)."""
+    for encoder in getattr(model, "encoders", {}).values():
+        if isinstance(encoder, RemoteEncoder):
+            return encoder.client
+    return None
+
+
 # ----------------------------------------------------------------- encoder ranks
 class EncoderServer:
     """The encoder ranks' side: encodes what the LLM ranks send and runs the encoders'
     backward on the gradients they send back (see the module docstring)."""
 
     def __init__(self, ranks: RankSets, encoders: Mapping[str, nn.Module],
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 run: Callable[[str, dict[str, torch.Tensor], str], torch.Tensor] | None = None,
+                 ) -> None:
+        """``run(name, media, modality)`` encodes one pass (default: the encoder's forward;
+        the trainer passes its FSDP root, ``split_model.EncoderRanksModel``)."""
         if not ranks.on_encoders:
             raise ValueError(f"rank {ranks.rank} is an LLM rank; it runs EncoderClient")
         self.ranks, self.encoders = ranks, encoders
+        self.run = run or (lambda name, media, modality: self.encoders[name](media, modality))
         first = next((p for e in encoders.values() for p in e.parameters()), None)
         self.device = device or (first.device if first is not None else torch.device("cpu"))
         self._back: torch.Tensor | None = None
@@ -375,11 +393,12 @@ class EncoderServer:
             expected = sum(p.sent(s, e, "out") for s in range(len(self.ranks.llm)))
             count = sum(d == e for dest in p.dest for d in dest)
             if count:
-                out = encoder(media, p.modality)
+                out = self.run(p.encoder, media, p.modality)
             else:
                 # every parameter in the graph, no rows: FSDP's collectives among the encoder
                 # ranks match whatever the assignment
-                out = encoder(encoder.dummy_media(p.modality, self.device), p.modality)[:0]
+                dummy = encoder.dummy_media(p.modality, self.device)
+                out = self.run(p.encoder, dummy, p.modality)[:0]
             if out.shape[0] != expected:
                 raise ValueError(f"non-colocated {p.encoder}: the encoder returned "
                                  f"{out.shape[0]} rows for items announced as {expected}")
@@ -394,3 +413,23 @@ class EncoderServer:
         back, self._back = self._back, None
         if back is not None:
             torch.autograd.backward(back, torch.zeros_like(back))
+
+
+# ----------------------------------------------------------------- both rank sets, per step
+def combine_grad_norms(square: torch.Tensor, ranks: RankSets) -> torch.Tensor:
+    """The job's squared gradient norm from each set's (``square``: this rank's set's, the
+    same on every rank of the set): one all-reduce (max) over the world group, each set in its
+    own slot, so the sum counts each set once. Every rank then clips as colocated would."""
+    slots = torch.zeros(2, dtype=square.dtype, device=square.device)
+    slots[int(ranks.on_encoders)] = square
+    dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=ranks.group)
+    return slots.sum()
+
+
+def share_from_llm(payload: Any, ranks: RankSets) -> Any:
+    """``payload`` of the first LLM rank, on every rank of the group (e.g. the step's log
+    line for the encoder ranks, which see no loss); a collective of the whole group."""
+    box = [payload]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(ranks.group, ranks.llm[0]),
+                               group=ranks.group)
+    return box[0]

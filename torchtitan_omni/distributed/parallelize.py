@@ -2,7 +2,8 @@
 
 Order (each step reads the spec's ``OmniParallelPlan``):
 
-1. seed and freeze (``omni.init_seed``, ``omni.freeze``), then LoRA (``[lora]``,
+1. seed and freeze (``omni.init_seed``, ``omni.freeze``); with non-colocated encoders, this
+   rank set's share of the model (``split_model``); then LoRA (``[lora]``,
    ``torchtitan_omni.lora``: adapters become parameters of their modules, everything else
    but ``lora.train_modules`` is frozen);
 2. Ulysses runners on the plan's ``sequence_parallel_attention`` modules (sync or async), and
@@ -52,6 +53,8 @@ from torchtitan_omni.distributed.boundary import install_balanced_encoders
 from torchtitan_omni.distributed.encoder_sp import install_split_encoders
 from torchtitan_omni.distributed.expert_parallel import apply_expert_parallel
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
+from torchtitan_omni.distributed.rank_sets import RankSetDims
+from torchtitan_omni.distributed.split_model import split_model
 from torchtitan_omni.distributed.ulysses import kv_replication, make_runner
 from torchtitan_omni.lora import apply_lora_config
 from torchtitan_omni.platform import is_cpu
@@ -357,6 +360,14 @@ def parallelize_omni(
     frozen = model.freeze(list(job_config.omni.freeze))
     if frozen:
         logger.info(f"Frozen modules: {', '.join(frozen)}")
+    if isinstance(dims, RankSetDims):
+        # non-colocated encoders: this rank set's share of the model, after freezing (the
+        # encoder ranks must see omni.freeze's encoders), before anything is laid out
+        model = split_model(model, dims.rank_sets)
+        plan = cast(OmniParallelPlan, model.parallel_plan)
+        held = ("the encoders" if dims.on_encoders
+                else "the LLM and decoders (the encoders: RemoteEncoder stubs)")
+        logger.info(f"Non-colocated encoders: this rank holds {held}")
     if job_config.lora.enable:
         # first: Ulysses, EP, AC, compile and FSDP then treat adapters as module parameters
         logger.info(apply_lora_config(model, job_config.lora).describe())

@@ -18,6 +18,9 @@ GLOBAL_KEYS = {
     "sequence_parallel": ("parallelism", "encoder_sequence_parallel"),
     "activation_checkpoint": ("omni", "encoder_activation_checkpoint"),
 }
+#: the key of an encoder's table naming the ranks it runs on (non-colocated encoders,
+#: ``torchtitan_omni.distributed.rank_sets``): a list of global ranks, not a layout choice
+RANKS_KEY = "ranks"
 #: keys that only encoders take
 ENCODER_ONLY = ("sequence_parallel",)
 ENCODERS, DECODERS = "encoders.", "decoders."

@@ -5,7 +5,7 @@ counts' reduction, and gradient-norm clipping over parameters that live on diffe
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan_omni.compat import all_reduce_traceable, flatten_mesh
+from torchtitan_omni.platform import local_device
 
 
 def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh | None, op: str = "sum") -> torch.Tensor:
@@ -21,6 +22,13 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh | None, op: str = "sum") -
         return tensor
     group = mesh if mesh.ndim == 1 else flatten_mesh(mesh)
     return all_reduce_traceable(tensor, op, group)
+
+
+def all_reduce_world(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` in place over every process (the default group), e.g. where a mesh
+    spans one rank set only (non-colocated encoders)."""
+    dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return tensor
 
 
 def reduce_moe_counts(counts: torch.Tensor, ep_mesh: DeviceMesh | None,
@@ -38,12 +46,16 @@ def reduce_moe_counts(counts: torch.Tensor, ep_mesh: DeviceMesh | None,
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
+                    combine: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> torch.Tensor:
     """Clip the global L2 norm of all gradients to ``max_norm``; returns the norm before.
 
     Parameters are grouped by their gradients' (mesh, placements) so that DTensors on
     different meshes (LLM, encoders, experts) never meet in one foreach kernel; each group's
-    sharded norm is completed on its own mesh, then the squares are summed.
+    sharded norm is completed on its own mesh, then the squares are summed. ``combine`` maps
+    that sum to the job's (non-colocated encoders: ``noncolocated.combine_grad_norms`` adds
+    the other rank set's), so every rank clips by the same norm.
     """
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
@@ -52,16 +64,17 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
             continue
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
         groups[key].append(p)
-    if not groups:
+    if not groups and combine is None:
         return torch.zeros(())
-    squares = []
+    squares = [torch.zeros((), dtype=torch.float32, device=local_device())]
     for params in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
-    device = squares[0].device
-    total = torch.stack([s.to(device) for s in squares]).sum().sqrt()
+    device = squares[-1].device
+    square = torch.stack([s.to(device) for s in squares]).sum()
+    total = (combine(square) if combine is not None else square).sqrt()
     for params in groups.values():
         # clip_grads_with_norm_ reads p.grad: it takes the parameters, not the gradients.
         torch.nn.utils.clip_grads_with_norm_(

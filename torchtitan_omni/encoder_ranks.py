@@ -1,0 +1,82 @@
+"""What ``OmniTrainer`` does differently on the encoder ranks of non-colocated encoders.
+
+The encoder ranks (``[parallelism.parts."encoders.<name>"] ranks``) hold only the encoders
+(``distributed.split_model.EncoderRanksModel``) and read no data. TorchTitan's
+``Trainer.__init__`` builds their optimizer, LR scheduler, metrics and checkpoint manager
+as on any rank, from a train spec without tokenizer and data loader
+(:func:`encoder_ranks_spec`). Each step they serve the LLM ranks' micro-batches
+(:func:`serve_encoders`): as many as the LLM ranks run, each an ``EncoderServer.step`` and
+``backward``, then the clip by the job's gradient norm, the optimizer and scheduler steps,
+and the LLM ranks' log line, which the encoder ranks log too (the default ``LOG_RANK=0``
+shows rank 0, which may be an encoder rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+from torchtitan.config import JobConfig
+from torchtitan.protocols.train_spec import TrainSpec
+
+from torchtitan_omni.distributed.noncolocated import (
+    EncoderServer,
+    combine_grad_norms,
+    share_from_llm,
+)
+from torchtitan_omni.distributed.utils import clip_grad_norm_
+
+
+def encoder_ranks_spec(spec: TrainSpec) -> TrainSpec:
+    """``spec`` without tokenizer and data loader: what TorchTitan's ``Trainer.__init__``
+    builds on an encoder rank."""
+    return dataclasses.replace(spec, build_tokenizer_fn=None,
+                               build_dataloader_fn=None)  # type: ignore[arg-type]
+
+
+def llm_accumulation_steps(job_config: JobConfig, llm_data_ranks: int) -> int:
+    """The micro-batches per step of the LLM ranks (TorchTitan's rule for their degree)."""
+    t = job_config.training
+    if t.global_batch_size < 0:
+        return 1
+    return t.global_batch_size // (t.local_batch_size * llm_data_ranks)
+
+
+class NoBatches:
+    """The encoder ranks' stand-in for a data loader: they read no data, but TorchTitan's
+    ``Trainer.train`` asks for a loader before its loop (and iterates it only through
+    ``train_step``, which never does on these ranks)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        raise RuntimeError("encoder ranks read no data (non-colocated encoders)")
+
+
+def serve_encoders(trainer: Any, server: EncoderServer) -> None:
+    """One training step of an encoder rank (see the module docstring)."""
+    trainer.optimizers.zero_grad()
+    lr = trainer.lr_schedulers.schedulers[0].get_last_lr()[0]
+    for _ in range(trainer.gradient_accumulation_steps):
+        server.step()
+        server.backward()
+    params = [p for m in trainer.model_parts for p in m.parameters()]
+    clip_grad_norm_(params, trainer.job_config.training.max_norm,
+                    combine=partial(combine_grad_norms, ranks=server.ranks))
+    trainer.checkpointer.maybe_wait_for_staging()
+    trainer.optimizers.step()
+    trainer.lr_schedulers.step()
+    if trainer.metrics_processor.should_log(trainer.step):
+        log_shared_line(trainer, share_from_llm(None, server.ranks), lr)
+
+
+def log_shared_line(trainer: Any, line: dict[str, Any], lr: float) -> None:
+    """Log the LLM ranks' step ``line`` (``OmniTrainer.log_line``) on an encoder rank, with
+    its own memory and the LLM ranks' throughput."""
+    metrics = trainer.metrics_processor
+    metrics.ntokens_since_last_log = line["ntokens"]
+    metrics.flops_since_last_log = line["flops"]
+    trainer.ntokens_seen = line["extra"].get("n_tokens_seen", trainer.ntokens_seen)
+    trainer.last_losses = line["losses"]
+    metrics.log_losses(line["step"], line["total"], line["max_loss"], line["losses"],
+                       line["grad_norm"], extra_metrics={**line["extra"], "lr": lr})
