@@ -33,7 +33,11 @@ def complete_optimizer_state(optimizers: Iterable[torch.optim.Optimizer]) -> int
             continue
         params = [p for group in opt.param_groups for p in group["params"]]
         template = next(((p, opt.state[p]) for p in params if opt.state.get(p)), None)
-        if template is None:  # no parameter has stepped yet: nothing to copy, nothing saved
+        if template is None:
+            # No parameter has stepped yet (an optimizer of non-colocated encoders whose
+            # modalities were all absent so far): without state, torch's state-dict helpers
+            # would make one by stepping with zero gradients, which counts an Adam step.
+            added += _zero_states(opt)
             continue
         shape = template[0].shape
         for p in params:
@@ -44,6 +48,27 @@ def complete_optimizer_state(optimizers: Iterable[torch.optim.Optimizer]) -> int
                       else torch.zeros_like(value)) if isinstance(value, torch.Tensor) else value
                 for key, value in template[1].items()
             }
+            added += 1
+    return added
+
+
+def _zero_states(opt: torch.optim.Optimizer) -> int:
+    """Adam's state at step 0 for every parameter that trains (what its first step creates:
+    ``torch.optim.adam``'s initialization), with no state to copy from."""
+    added = 0
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in opt.param_groups:
+        on_device = group.get("capturable") or group.get("fused")
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            state = {"step": torch.zeros((), dtype=scalar,
+                                         device=p.device if on_device else None),
+                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            opt.state[p] = state
             added += 1
     return added
 

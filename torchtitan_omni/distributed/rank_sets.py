@@ -119,6 +119,7 @@ def rank_set_dims(world_size: int, encoder_ranks: tuple[int, ...]) -> RankSetDim
     dims.set_ranks = mine
     dims.set_group = encoder_group if sets.on_encoders else llm_group
     dims.own_group = singles[dist.get_rank()]
+    dims.build_mesh()
     logger.info(f"Non-colocated encoders: encoder ranks {list(encoders)}, LLM ranks {list(llm)};"
                 f" this rank runs the {'encoders' if sets.on_encoders else 'LLM'}")
     return dims
