@@ -44,9 +44,26 @@ def test_zero_state_equals_the_lazily_created_one(amsgrad):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_nothing_to_copy_before_the_first_step():
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
-    assert complete_optimizer_state([opt]) == 0 and not opt.state
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_before_the_first_step_every_parameter_gets_the_step_0_state(amsgrad):
+    # (non-colocated encoders: the encoder ranks' optimizer when no encoder had media yet;
+    # torch's state-dict helpers would otherwise step it once with zero gradients)
+    def run(complete: bool) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))]
+        params.append(torch.nn.Parameter(torch.ones(1), requires_grad=False))
+        opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, amsgrad=amsgrad)
+        if complete:
+            assert complete_optimizer_state([opt]) == 2
+            assert all(float(opt.state[p]["step"]) == 0.0 for p in params[:2])
+            assert ("max_exp_avg_sq" in opt.state[params[0]]) == amsgrad
+        for step in range(3):
+            for p in params[:2]:
+                p.grad = torch.full_like(p, 0.5 + step)
+            opt.step()
+        return [p.detach().clone() for p in params]
+
+    for a, b in zip(run(False), run(True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def _losses(folder: str, *extra: str) -> tuple[dict[int, dict[str, float]], str]:

@@ -6,7 +6,10 @@ without targets yet) has no state in the checkpoint, while the resuming job's op
 for every parameter, expects it: the resume stopped with "N missing tensors". Saving zeros for
 those parameters fixes it without changing training: zeros and step 0 are exactly the state
 Adam would create at the first gradient, and a parameter without a gradient is skipped by the
-update (weight decay included) either way.
+update (weight decay included) either way. An optimizer with no state at all (the encoder
+ranks' of non-colocated encoders before any encoder had media) gets that state for every
+parameter that trains: torch's state-dict helpers would otherwise create it by stepping once
+with zero gradients, which counts a step in Adam's bias correction.
 """
 
 from __future__ import annotations
