@@ -5,12 +5,17 @@ Outputs and input, router and expert gradients within 1e-5; routed and dropped c
 equal to the single-process layer applying the same rule to each rank's tokens; and the
 capacity-padded EP4 layer compiled as one graph (fullgraph=True) against eager. The chunked,
 overlapped exchange (``parallelism.expert_dispatch_chunks`` 2 and 4, capacity factors 1.25
-and 2.0, eager and compiled) also against the same EP layer in one chunk: outputs, input and
-expert gradients within 1e-5, the same copies dropped. And the
-trainer's reduction of the routing counts (loads over the EP group, drops over all ranks)."""
+and 2.0, eager and compiled, also with two experts no rank sends a token to) also against the
+same EP layer in one chunk: outputs, input, router and expert gradients within 1e-5, the same
+copies dropped; and the order of its backward: each chunk's reverse exchanges launched before,
+and waited after, the experts' backward they overlap (eager, through the dispatcher's trace
+hook, also with the experts FSDP-sharded; compiled, by counting the exchanges in flight at
+each chunk's expert matmuls in the backward graph). And the trainer's reduction of the routing
+counts (loads over the EP group, drops over all ranks)."""
 
 from __future__ import annotations
 
+import functools
 import traceback
 
 import pytest
@@ -121,7 +126,10 @@ def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
               "dropped": stats.dropped.tolist(), "ref_dropped": ref_stats.dropped.tolist()}
     if chunks > 1:  # and against the same EP layer exchanging in one chunk
         one, out1, stats1, x1 = _ep_layer(_layer(), mesh, factor, 1, compiled, rank, idle)
-        errors.update({"out_vs_1": _error(out, out1), "x_vs_1": _error(x.grad, x1.grad)})
+        router1 = one.gate.weight.grad.clone()
+        dist.all_reduce(router1, group=group)
+        errors.update({"out_vs_1": _error(out, out1), "x_vs_1": _error(x.grad, x1.grad),
+                       "router_vs_1": _error(router, router1)})
         for name in ("w1", "w2", "w3"):
             errors[f"{name}_vs_1"] = _error(getattr(moe.experts, name).grad.to_local(),
                                             getattr(one.experts, name).grad.to_local())
@@ -170,21 +178,27 @@ def _counts_case(rank: int, world: int) -> dict:
 ORDER_CHUNKS = 4
 
 
-def _backward_order_case(rank: int, world: int) -> list:
-    """The events of one eager EP4 backward in ``ORDER_CHUNKS`` chunks, in order: the
+def _backward_order_case(rank: int, world: int, fsdp: bool) -> list:
+    """The events of one eager backward in ``ORDER_CHUNKS`` chunks, in order: the
     dispatcher's launches and waits of each chunk's gradient exchanges (its test hook), and
     each chunk's experts backward, starting when the gradient of the experts' output arrives
-    and ending when that of their input is complete."""
+    and ending when that of their input is complete. EP4, or (``fsdp``) EP2 with the experts
+    FSDP-sharded over the other 2 ranks (their hooks run per chunk, resharding after
+    forward)."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     from torchtitan_omni.distributed.expert_parallel import make_dispatcher, shard_experts
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    shape = (2, world // 2) if fsdp else (1, world)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("efsdp", "ep"))
     moe = copy.deepcopy(_layer())
-    shard_experts(moe.experts, mesh)
-    moe.dispatcher = make_dispatcher(E, K, mesh.get_group(), 2.0, TOKENS, ORDER_CHUNKS)
+    shard_experts(moe.experts, mesh["ep"])
+    if fsdp:
+        fully_shard(moe.experts, mesh=mesh["efsdp"], reshard_after_forward=True)
+    moe.dispatcher = make_dispatcher(E, K, mesh["ep"].get_group(), 2.0, TOKENS, ORDER_CHUNKS)
     events: list = []
     moe.dispatcher.trace = lambda *event: events.append(event)
 
@@ -240,7 +254,8 @@ def _compiled_backward_case(rank: int, world: int) -> list[str]:
 
 def _all_cases(rank, world):
     results = {"counts": _counts_case(rank, world)}
-    for name, case in (("order", _backward_order_case),
+    for name, case in (("order", functools.partial(_backward_order_case, fsdp=False)),
+                       ("order_fsdp", functools.partial(_backward_order_case, fsdp=True)),
                        ("compiled_order", _compiled_backward_case)):
         try:
             results[name] = case(rank, world)
@@ -290,11 +305,13 @@ def test_dispatch_matches_one_process(results, name):
         assert dropped == [0, 0, 0, 0]
 
 
-def test_backward_overlaps_each_chunks_exchanges_with_the_experts(results):
+@pytest.mark.parametrize("case", ["order", "order_fsdp"])
+def test_backward_overlaps_each_chunks_exchanges_with_the_experts(results, case):
     """In backward, chunk c-1's reverse combine all-to-all is launched before chunk c's
-    experts backward starts, and chunk c's reverse dispatch travels during chunk c-1's."""
+    experts backward starts, and chunk c's reverse dispatch travels during chunk c-1's; also
+    with FSDP's hooks on the experts."""
     for rank, res in enumerate(results):
-        events = res["order"]
+        events = res[case]
         assert "error" not in events, f"rank {rank}: {events}"
         at = {event: i for i, event in enumerate(events)}
         assert len(at) == len(events), events
