@@ -56,6 +56,10 @@ def test_functional_collectives_have_the_signatures_used():
     assert _params(funcol.all_to_all_single_autograd)[:4] == [
         "self", "output_split_sizes", "input_split_sizes", "group"]
     assert callable(funcol.wait_tensor)
+    # compat.all_to_all_launch calls the op itself, positionally
+    schema = torch.ops._c10d_functional.all_to_all_single.default._schema
+    assert [a.name for a in schema.arguments] == [
+        "input", "output_split_sizes", "input_split_sizes", "group_name"]
 
 
 def test_dynamo_recompile_limit_and_graph_counter():

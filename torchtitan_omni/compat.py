@@ -10,8 +10,9 @@ Wrapped here:
 
 - torch: ``DeviceMesh._unflatten`` / ``_flatten`` (the mesh layout TorchTitan's own
   ``ParallelDims`` builds with), DTensor's ``_StridedShard`` placement, ``torch._grouped_mm``
-  (grouped GEMM of the MoE experts), ``torch.distributed._functional_collectives``
-  (collectives ``torch.compile`` can trace),
+  (grouped GEMM of the MoE experts), ``torch.distributed._functional_collectives`` and its
+  op ``torch.ops._c10d_functional.all_to_all_single`` (collectives ``torch.compile`` can
+  trace; a launched one waited where the caller chooses),
   ``torch._dynamo`` (recompile limit, compiled-graph count), ``nn.Module``'s hook and
   non-persistent-buffer registries;
 - TorchTitan: ``ParallelDims``' mesh registry (``_meshes``, ``_global_meshes``,
@@ -76,13 +77,24 @@ def all_reduce_traceable(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
 def all_to_all_traceable(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Even all-to-all of dim 0 through torch's functional collectives: differentiable (its
     backward is the reverse exchange) and traced by ``torch.compile``."""
-    return funcol.wait_tensor(all_to_all_async(tensor, group))
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(tensor, None, None, group))
 
 
-def all_to_all_async(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """:func:`all_to_all_traceable` without its wait: eager mode returns an
-    ``AsyncCollectiveTensor`` that waits when first used (traced: waited at once)."""
-    return funcol.all_to_all_single_autograd(tensor, None, None, group)
+def all_to_all_launch(tensor: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+    """Even all-to-all of dim 0 over the group named ``group_name`` (``world`` ranks), launched
+    and not waited, outside autograd: torch's functional collective op itself (traced by
+    ``torch.compile``). The public wrapper hides the pending result in eager mode (an
+    ``AsyncCollectiveTensor`` waiting at its first use) and waits at once when traced; the op
+    lets the caller choose where the wait goes. Read the result only through
+    :func:`collective_wait`."""
+    splits = [tensor.shape[0] // world] * world
+    return torch.ops._c10d_functional.all_to_all_single(tensor, splits, splits, group_name)
+
+
+def collective_wait(tensor: torch.Tensor) -> torch.Tensor:
+    """Wait for the collective writing ``tensor`` (from :func:`all_to_all_launch`); returns
+    the result (blocks on CPU, orders streams on CUDA)."""
+    return funcol.wait_tensor(tensor)
 
 
 def raise_recompile_limit(limit: int) -> None:

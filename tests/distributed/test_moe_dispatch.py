@@ -5,12 +5,17 @@ Outputs and input, router and expert gradients within 1e-5; routed and dropped c
 equal to the single-process layer applying the same rule to each rank's tokens; and the
 capacity-padded EP4 layer compiled as one graph (fullgraph=True) against eager. The chunked,
 overlapped exchange (``parallelism.expert_dispatch_chunks`` 2 and 4, capacity factors 1.25
-and 2.0, eager and compiled) also against the same EP layer in one chunk: outputs, input and
-expert gradients within 1e-5, the same copies dropped. And the
-trainer's reduction of the routing counts (loads over the EP group, drops over all ranks)."""
+and 2.0, eager and compiled, also with two experts no rank sends a token to) also against the
+same EP layer in one chunk: outputs, input, router and expert gradients within 1e-5, the same
+copies dropped; and the order of its backward: each chunk's reverse exchanges launched before,
+and waited after, the experts' backward they overlap (eager, through the dispatcher's trace
+hook, also with the experts FSDP-sharded; compiled, by counting the exchanges in flight at
+each chunk's expert matmuls in the backward graph). And the trainer's reduction of the routing
+counts (loads over the EP group, drops over all ranks)."""
 
 from __future__ import annotations
 
+import functools
 import traceback
 
 import pytest
@@ -40,7 +45,7 @@ def _layer():
     return moe
 
 
-def _inputs(rank: int):
+def _inputs(rank: int, idle: bool = False):
     import torch
 
     g = torch.Generator().manual_seed(10 + rank)
@@ -49,6 +54,8 @@ def _inputs(rank: int):
         x[:, 0] = 3.0  # every token's first choice is expert 0
     if rank == 1:
         x[:, 4:E] = -3.0  # experts 4-7 get nothing from this rank
+    if idle:
+        x[:, E - 2:E] = -6.0  # experts 6 and 7 get nothing from any rank
     return x.requires_grad_(), torch.randn(SIZES[rank], D, generator=g)
 
 
@@ -57,7 +64,8 @@ def _error(a, b) -> float:
     return float((a - b).abs().max()) / scale if b.numel() else 0.0
 
 
-def _ep_layer(ref, mesh, factor: float, chunks: int, compiled: bool, rank: int):
+def _ep_layer(ref, mesh, factor: float, chunks: int, compiled: bool, rank: int,
+              idle: bool = False):
     """A copy of ``ref`` under EP on ``mesh``, run forward and backward on ``rank``'s inputs."""
     import copy
 
@@ -68,7 +76,7 @@ def _ep_layer(ref, mesh, factor: float, chunks: int, compiled: bool, rank: int):
     moe = copy.deepcopy(ref)
     shard_experts(moe.experts, mesh)
     moe.dispatcher = make_dispatcher(E, K, mesh.get_group(), factor, TOKENS, chunks)
-    x, grad = _inputs(rank)
+    x, grad = _inputs(rank, idle)
     if compiled:
         # a fresh cache per case: a recompile for another capacity factor would make dynamo
         # treat the factor as a dynamic float (one factor per run in training)
@@ -80,7 +88,7 @@ def _ep_layer(ref, mesh, factor: float, chunks: int, compiled: bool, rank: int):
 
 
 def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
-          chunks: int = 1) -> dict:
+          chunks: int = 1, idle: bool = False) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -89,7 +97,7 @@ def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))["ep"]
     group = mesh.get_group()
     ref = _layer()
-    moe, out, stats, x = _ep_layer(ref, mesh, factor, chunks, compiled, rank)
+    moe, out, stats, x = _ep_layer(ref, mesh, factor, chunks, compiled, rank, idle)
 
     # the same layer in one process, on every rank of this EP group in turn
     if factor:
@@ -97,7 +105,7 @@ def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
     members = dist.get_process_group_ranks(group)
     total, mine = 0.0, None
     for source in members:
-        xs, gs = _inputs(source)
+        xs, gs = _inputs(source, idle)
         o, st = ref(xs)
         total = total + (o * gs).sum()
         if source == rank:
@@ -117,8 +125,11 @@ def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
               "routed": stats.routed.tolist(), "ref_routed": ref_stats.routed.tolist(),
               "dropped": stats.dropped.tolist(), "ref_dropped": ref_stats.dropped.tolist()}
     if chunks > 1:  # and against the same EP layer exchanging in one chunk
-        one, out1, stats1, x1 = _ep_layer(_layer(), mesh, factor, 1, compiled, rank)
-        errors.update({"out_vs_1": _error(out, out1), "x_vs_1": _error(x.grad, x1.grad)})
+        one, out1, stats1, x1 = _ep_layer(_layer(), mesh, factor, 1, compiled, rank, idle)
+        router1 = one.gate.weight.grad.clone()
+        dist.all_reduce(router1, group=group)
+        errors.update({"out_vs_1": _error(out, out1), "x_vs_1": _error(x.grad, x1.grad),
+                       "router_vs_1": _error(router, router1)})
         for name in ("w1", "w2", "w3"):
             errors[f"{name}_vs_1"] = _error(getattr(moe.experts, name).grad.to_local(),
                                             getattr(one.experts, name).grad.to_local())
@@ -126,23 +137,28 @@ def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
     return dict(result, errors=errors)
 
 
-#: name: (EP degree, capacity factor, compiled, dispatch chunks). Capacity C = ceil(factor x 8
-#: x 2 / 8): 1.0 -> 2 slots, 1.25 -> 3 (chunks 2: widths 2 + 1; chunks 4: three chunks of 1),
-#: 2.0 -> 4 (chunks 2: 2 + 2; chunks 4: 1 each)
+#: name: (EP degree, capacity factor, compiled, dispatch chunks, idle experts). Capacity C =
+#: ceil(factor x 8 x 2 / 8): 1.0 -> 2 slots, 1.25 -> 3 (chunks 2: widths 2 + 1; chunks 4: three
+#: chunks of 1), 2.0 -> 4 (chunks 2: 2 + 2; chunks 4: 1 each). Idle: experts 6 and 7 get no
+#: token from any rank (under EP4 one rank's experts compute only empty slots).
 CASES = {
-    "ep4_exact": (4, 0.0, False, 1),
-    "ep4_capacity": (4, 1.0, False, 1),
-    "ep2_exact": (2, 0.0, False, 1),
-    "ep2_capacity": (2, 1.0, False, 1),
-    "ep4_capacity_compiled": (4, 1.0, True, 1),
-    "ep4_cap1.25_chunks2": (4, 1.25, False, 2),
-    "ep4_cap1.25_chunks4": (4, 1.25, False, 4),
-    "ep2_cap1.25_chunks2": (2, 1.25, False, 2),
-    "ep2_cap1.25_chunks4": (2, 1.25, False, 4),
-    "ep4_cap2.0_chunks2": (4, 2.0, False, 2),
-    "ep4_cap2.0_chunks4": (4, 2.0, False, 4),
-    "ep2_cap2.0_chunks4": (2, 2.0, False, 4),
-    "ep4_cap1.25_chunks2_compiled": (4, 1.25, True, 2),
+    "ep4_exact": (4, 0.0, False, 1, False),
+    "ep4_capacity": (4, 1.0, False, 1, False),
+    "ep2_exact": (2, 0.0, False, 1, False),
+    "ep2_capacity": (2, 1.0, False, 1, False),
+    "ep4_capacity_compiled": (4, 1.0, True, 1, False),
+    "ep4_cap1.25_chunks2": (4, 1.25, False, 2, False),
+    "ep4_cap1.25_chunks4": (4, 1.25, False, 4, False),
+    "ep2_cap1.25_chunks2": (2, 1.25, False, 2, False),
+    "ep2_cap1.25_chunks4": (2, 1.25, False, 4, False),
+    "ep4_cap2.0_chunks2": (4, 2.0, False, 2, False),
+    "ep4_cap2.0_chunks4": (4, 2.0, False, 4, False),
+    "ep2_cap2.0_chunks2": (2, 2.0, False, 2, False),
+    "ep2_cap2.0_chunks4": (2, 2.0, False, 4, False),
+    "ep4_cap2.0_chunks4_idle": (4, 2.0, False, 4, True),
+    "ep2_cap1.25_chunks2_idle": (2, 1.25, False, 2, True),
+    "ep4_cap1.25_chunks2_compiled": (4, 1.25, True, 2, False),
+    "ep2_cap2.0_chunks4_compiled": (2, 2.0, True, 4, False),
 }
 
 
@@ -158,11 +174,96 @@ def _counts_case(rank: int, world: int) -> dict:
     return {"loads": loads.tolist(), "totals": totals.tolist()}
 
 
+#: chunks of the backward-order case (capacity 4 slots: 4 chunks of one slot)
+ORDER_CHUNKS = 4
+
+
+def _backward_order_case(rank: int, world: int, fsdp: bool) -> list:
+    """The events of one eager backward in ``ORDER_CHUNKS`` chunks, in order: the
+    dispatcher's launches and waits of each chunk's gradient exchanges (its test hook), and
+    each chunk's experts backward, starting when the gradient of the experts' output arrives
+    and ending when that of their input is complete. EP4, or (``fsdp``) EP2 with the experts
+    FSDP-sharded over the other 2 ranks (their hooks run per chunk, resharding after
+    forward)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torchtitan_omni.distributed.expert_parallel import make_dispatcher, shard_experts
+
+    shape = (2, world // 2) if fsdp else (1, world)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("efsdp", "ep"))
+    moe = copy.deepcopy(_layer())
+    shard_experts(moe.experts, mesh["ep"])
+    if fsdp:
+        fully_shard(moe.experts, mesh=mesh["efsdp"], reshard_after_forward=True)
+    moe.dispatcher = make_dispatcher(E, K, mesh["ep"].get_group(), 2.0, TOKENS, ORDER_CHUNKS)
+    events: list = []
+    moe.dispatcher.trace = lambda *event: events.append(event)
+
+    def record(event, chunk):
+        return lambda grad: events.append((event, "experts", chunk))
+
+    def hook(module, args, out):
+        chunk = sum(1 for e in events if e[0] == "forward")
+        events.append(("forward", "experts", chunk))
+        out.register_hook(record("start", chunk))
+        args[0].register_hook(record("end", chunk))
+
+    moe.experts.register_forward_hook(hook)
+    x, grad = _inputs(rank)
+    out, _ = moe(x)
+    (out * grad).sum().backward()
+    return events
+
+
+def _compiled_backward_case(rank: int, world: int) -> list[str]:
+    """The same layer compiled (fullgraph, AOT autograd without inductor): its backward
+    graph's collectives and batched matmuls in graph order, "L" a launched all-to-all, "W" a
+    wait, "M" a bmm (the experts compute with batched matmuls on padded groups)."""
+    import copy
+
+    import torch
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_omni.distributed.expert_parallel import make_dispatcher, shard_experts
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    moe = copy.deepcopy(_layer())
+    shard_experts(moe.experts, mesh)
+    moe.dispatcher = make_dispatcher(E, K, mesh.get_group(), 2.0, TOKENS, ORDER_CHUNKS)
+    kinds: list[str] = []
+    names = {"all_to_all_single": "L", "wait_tensor": "W", "bmm": "M"}
+
+    def backward_compiler(gm, _):
+        for node in gm.graph.nodes:
+            name = getattr(node.target, "__name__", "").split(".")[0]
+            if name in names:
+                kinds.append(names[name])
+        return gm
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=backward_compiler)
+    x, grad = _inputs(rank)
+    out, _ = torch.compile(moe, backend=backend, fullgraph=True)(x)
+    (out * grad).sum().backward()
+    return kinds
+
+
 def _all_cases(rank, world):
     results = {"counts": _counts_case(rank, world)}
-    for name, (ep, factor, compiled, chunks) in CASES.items():
+    for name, case in (("order", functools.partial(_backward_order_case, fsdp=False)),
+                       ("order_fsdp", functools.partial(_backward_order_case, fsdp=True)),
+                       ("compiled_order", _compiled_backward_case)):
         try:
-            results[name] = _case(rank, world, ep, factor, compiled, chunks)
+            results[name] = case(rank, world)
+        except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
+            results[name] = {"error": traceback.format_exc()}
+    for name, (ep, factor, compiled, chunks, idle) in CASES.items():
+        try:
+            results[name] = _case(rank, world, ep, factor, compiled, chunks, idle)
         except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
             results[name] = {"error": traceback.format_exc()}
     return results
@@ -177,7 +278,7 @@ def results():
 def test_dispatch_matches_one_process(results, name):
     from torchtitan_omni.modules.moe_capacity import capacity
 
-    ep, factor, _, chunks = CASES[name]
+    ep, factor, _, chunks, idle = CASES[name]
     for rank, res in enumerate(results):
         out = res[name]
         assert "error" not in out, f"rank {rank}: {out.get('error')}"
@@ -193,6 +294,8 @@ def test_dispatch_matches_one_process(results, name):
     routed = [res[name]["routed"] for res in results]
     assert routed[0][0] == SIZES[0], "rank 0's tokens must all choose expert 0"
     assert sum(routed[1][4:]) == 0, "rank 1 must send nothing to experts 4-7"
+    if idle:
+        assert all(sum(r[E - 2:]) == 0 for r in routed), "experts 6-7 must get no token"
     dropped = [sum(res[name]["dropped"]) for res in results]
     if factor:
         # C slots per (rank, expert): rank 0 drops all but C of its 12 copies for expert 0
@@ -200,6 +303,44 @@ def test_dispatch_matches_one_process(results, name):
         assert results[0][name]["dropped"][0] == SIZES[0] - cap, dropped
     else:
         assert dropped == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("case", ["order", "order_fsdp"])
+def test_backward_overlaps_each_chunks_exchanges_with_the_experts(results, case):
+    """In backward, chunk c-1's reverse combine all-to-all is launched before chunk c's
+    experts backward starts, and chunk c's reverse dispatch travels during chunk c-1's; also
+    with FSDP's hooks on the experts."""
+    for rank, res in enumerate(results):
+        events = res[case]
+        assert "error" not in events, f"rank {rank}: {events}"
+        at = {event: i for i, event in enumerate(events)}
+        assert len(at) == len(events), events
+        for c in range(ORDER_CHUNKS):
+            start, end = at[("start", "experts", c)], at[("end", "experts", c)]
+            assert at[("launch", "combine", c)] < at[("wait", "combine", c)] < start < end, events
+            assert end < at[("launch", "dispatch", c)] < at[("wait", "dispatch", c)], events
+            if c:  # the next chunk in backward order: c-1
+                assert at[("launch", "combine", c - 1)] < start, (rank, c, events)
+                assert at[("launch", "dispatch", c)] < at[("start", "experts", c - 1)], events
+                assert at[("wait", "dispatch", c)] > at[("end", "experts", c - 1)], events
+
+
+def test_compiled_backward_keeps_exchanges_in_flight_during_the_experts(results):
+    """The compiled backward graph launches every chunk's reverse combine before its first
+    wait, and some exchange is in flight during every chunk's experts matmuls."""
+    for rank, res in enumerate(results):
+        kinds = res["compiled_order"]
+        assert "error" not in kinds, f"rank {rank}: {kinds}"
+        collectives = [k for k in kinds if k != "M"]
+        assert collectives[:ORDER_CHUNKS + 1] == ["L"] * ORDER_CHUNKS + ["W"], kinds
+        in_flight, runs = 0, []
+        for i, kind in enumerate(kinds):
+            in_flight += {"L": 1, "W": -1, "M": 0}[kind]
+            waited = "W" in kinds[:i]  # matmuls before the first wait: the routing combine's
+            if kind == "M" and waited and kinds[i - 1] != "M":
+                runs.append(in_flight)
+        assert len(runs) == ORDER_CHUNKS and min(runs) >= 1, (runs, kinds)
+        assert runs[0] == ORDER_CHUNKS - 1, (runs, kinds)
 
 
 def test_routing_counts_reduction(results):

@@ -63,7 +63,8 @@ class Parallelism:
     """Capacity-padded expert parallel only (expert_capacity_factor > 0): cut each (rank,
     expert) slot block into this many chunks and overlap each chunk's dispatch all-to-all
     with the experts of the previous chunk, and its combine all-to-all with the experts of the
-    next one. 1 (default): one exchange each way. Same drops, outputs and gradients as 1 (up
+    next one; the backward overlaps their gradients' exchanges the same way. 1 (default):
+    one exchange each way. Same drops, outputs and gradients as 1 (up
     to float summation order); no effect without expert parallel. See docs/parallelism.md."""
 
 

@@ -6,9 +6,11 @@ across ranks exactly as activations did. They take a ``ProcessGroup`` (use
 ``mesh.get_group()``) and work on gloo (CPU) and NCCL.
 
 Expert parallel exchanges token copies with :func:`all_to_all_v` (uneven: the split sizes are
-read on the host) or :func:`all_to_all_blocks` (equal, capacity-padded blocks: no host read;
-``wait=False`` launches one without waiting, for the chunked dispatch that overlaps its
-exchanges with the experts).
+read on the host) or :func:`all_to_all_blocks` (equal, capacity-padded blocks: no host read).
+The chunked dispatch that overlaps its exchanges with the experts splits the latter in two:
+:func:`all_to_all_blocks_launch` / :func:`all_to_all_blocks_wait`, asynchronous in both
+directions (the wait's backward launches the gradient exchange, the launch's backward waits
+for it), through functional collective ops that ``torch.compile`` traces.
 
 Ulysses swaps a split sequence for split heads with :func:`all_to_all` (sync; PyTorch's
 functional collectives, so ``torch.compile`` traces it into a block's graph) or with the
@@ -22,11 +24,13 @@ gradient all-to-all is in flight.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from torchtitan_omni.compat import all_to_all_async, all_to_all_traceable
+from torchtitan_omni.compat import all_to_all_launch, all_to_all_traceable, collective_wait
 from torchtitan_omni.platform import local_device
 
 ProcessGroup = dist.ProcessGroup
@@ -179,20 +183,76 @@ def all_to_all_linear(
     return _AllToAllLinear.apply(x, weight, bias, scatter_dim, gather_dim, group)
 
 
-def all_to_all_blocks(x: torch.Tensor, group: ProcessGroup, wait: bool = True) -> torch.Tensor:
+def all_to_all_blocks(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """``x`` ``[world, ...]``: block ``j`` goes to rank ``j``; returns ``[world, ...]`` with
     block ``i`` from rank ``i``. Equal blocks, so the split sizes come from the shape alone
     (no host read); PyTorch's functional collective, traced by ``torch.compile``, whose
-    backward is the same exchange of the gradients. ``wait=False`` launches it without the
-    wait: in eager mode the result is an ``AsyncCollectiveTensor`` that waits at its first
-    use, so the caller computes meanwhile (under ``torch.compile`` the compiler schedules the
-    wait)."""
-    if x.shape[0] != group.size():
-        raise ValueError(f"all_to_all_blocks: {x.shape[0]} blocks for a group of {group.size()}")
+    backward is the same exchange of the gradients."""
+    _check_blocks(x, group)
     if group.size() == 1:
         return x
-    exchange = all_to_all_traceable if wait else all_to_all_async
-    return exchange(x.contiguous(), group)
+    return all_to_all_traceable(x.contiguous(), group)
+
+
+def _check_blocks(x: torch.Tensor, group: ProcessGroup) -> None:
+    if x.shape[0] != group.size():
+        raise ValueError(f"all_to_all_blocks: {x.shape[0]} blocks for a group of {group.size()}")
+
+
+class _BlocksLaunch(Function):
+    """Forward: launch the exchange (not waited). Backward: wait for the gradient exchange
+    that the paired :class:`_BlocksWait`'s backward launched (it arrives as ``grad_buf``)."""
+
+    @staticmethod
+    def forward(ctx, x, world: int, name: str, on_backward):
+        ctx.on_backward = on_backward
+        return all_to_all_launch(x.contiguous(), world, name)
+
+    @staticmethod
+    def backward(ctx, grad_buf):
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        return collective_wait(grad_buf), None, None, None
+
+
+class _BlocksWait(Function):
+    """Forward: wait for a :class:`_BlocksLaunch`. Backward: launch the reverse exchange of
+    the gradient and hand the pending buffer on, not waited."""
+
+    @staticmethod
+    def forward(ctx, buf, world: int, name: str, on_backward):
+        ctx.world, ctx.name, ctx.on_backward = world, name, on_backward
+        return collective_wait(buf)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        return all_to_all_launch(grad.contiguous(), ctx.world, ctx.name), None, None, None
+
+
+def all_to_all_blocks_launch(x: torch.Tensor, group: ProcessGroup,
+                             on_backward: Callable[[], None] | None = None) -> torch.Tensor:
+    """:func:`all_to_all_blocks` launched, not waited: pass the result (unreadable until
+    then) to :func:`all_to_all_blocks_wait`. The pair's backward is asynchronous the other way
+    round: the wait's backward launches the gradient exchange and this one's backward waits
+    for it, so whatever the autograd engine runs between those two nodes (it runs nodes in
+    reverse creation order) overlaps it. ``on_backward`` (a test hook, eager only) is called
+    when this backward waits."""
+    _check_blocks(x, group)
+    if group.size() == 1:
+        return x
+    return _BlocksLaunch.apply(x, group.size(), group.group_name, on_backward)
+
+
+def all_to_all_blocks_wait(buf: torch.Tensor, group: ProcessGroup,
+                           on_backward: Callable[[], None] | None = None) -> torch.Tensor:
+    """Wait for an :func:`all_to_all_blocks_launch`; its backward launches the gradient's
+    exchange without waiting. ``on_backward`` (a test hook, eager only) is called when that
+    backward launches."""
+    if group.size() == 1:
+        return buf
+    return _BlocksWait.apply(buf, group.size(), group.group_name, on_backward)
 
 
 # ----------------------------------------------------------------- uneven all-to-all (EP)

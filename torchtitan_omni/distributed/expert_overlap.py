@@ -17,11 +17,22 @@ rank, expert) block (``w_c`` = ``C // n`` or one more; no divisibility needed, a
         back(c)                 # launched, not waited: travels while chunk c+1 computes
     wait for every back(c)
 
-Every chunk's exchange is a functional collective without its wait
-(``comm.all_to_all_blocks(..., wait=False)``): its result waits at its first use. Its backward
-is the reverse exchange (functional collectives' autograd), so gradients mirror the forward chunk by
-chunk; the backward waits for each gradient exchange before the next node runs (overlap in
-backward is not provided).
+Every exchange is a launch/wait pair of functional collective ops
+(``comm.all_to_all_blocks_launch`` / ``all_to_all_blocks_wait``) whose backward is asynchronous
+too: the wait's backward launches the reverse exchange of the gradient, the launch's backward
+waits for it. The autograd engine runs ready nodes in reverse creation order, so the order in
+which the forward creates the pairs sets the backward's schedule::
+
+    launch every back(c)'s reverse          # the waits of back(c) were created last
+    for c in n-1 .. 0:
+        wait back(c)'s reverse; experts(c) backward   # back(c-1 .. 0)'s reverses in flight
+        launch send(c)'s reverse            # travels during experts(c-1) backward
+        (wait send(c+1)'s reverse)
+    wait send(0)'s reverse; the chunks' gradients concatenated once (the split's backward)
+
+``ChunkedExchange.trace`` (a test hook) records these launches and waits. ``torch.compile``
+traces the pairs (functional ops, no work handles), and AOT autograd's backward graph keeps this
+order (``tests/distributed/test_moe_dispatch.py`` checks both).
 
 Drops and counts are those of one chunk: the slot layout (which copies get a slot) is computed
 once with the full ``C``, and only then are the slots reordered chunk-major (a permutation of
@@ -32,16 +43,23 @@ sum over chunks).
 
 The experts module runs once per chunk: under FSDP (the experts' ``efsdp`` unit) each call
 passes its hooks; with ``reshard_after_forward`` the experts' parameters are gathered again per
-chunk, which this trades against the overlap (measured on GPU next).
+chunk, which this trades against the overlap (measured on GPU next). In backward FSDP's hooks
+run per chunk inside the schedule above: the pre-backward all-gather (with
+``reshard_after_forward``) after back(c)'s reverse is waited, while the other chunks' reverses
+travel; the post-backward reduce-scatter of the gradients so far right after experts(c)
+backward, before send(c)'s reverse is launched (n reduce-scatters per layer, summing to one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
-from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_blocks
+from torchtitan_omni.distributed.comm import (
+    ProcessGroup, all_to_all_blocks_launch, all_to_all_blocks_wait,
+)
 from torchtitan_omni.modules.moe_capacity import padded_gather, slot_layout
 
 
@@ -81,9 +99,19 @@ class ChunkedExchange:
     expert_rows: Callable[[torch.Tensor, int], torch.Tensor]
     output_blocks: Callable[[torch.Tensor, int], torch.Tensor]
 
+    #: test hook (eager only): called ``(event, exchange, chunk)`` when the backward launches
+    #: (``"launch"``) or waits for (``"wait"``) the gradient exchange of a chunk's
+    #: ``"dispatch"`` or ``"combine"`` all-to-all
+    trace: Callable[[str, str, int], None] | None = None
+
+    def _hook(self, event: str, exchange: str, chunk: int) -> Callable[[], None] | None:
+        trace = self.trace
+        return None if trace is None else partial(trace, event, exchange, chunk)
+
     def run(self, experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Sorted copies ``[N * k, D]`` -> the experts' outputs, one row per copy (zero for a
-        dropped copy), chunk by chunk with the exchanges in flight during the experts."""
+        dropped copy), chunk by chunk with the exchanges in flight during the experts, forward
+        and backward."""
         self.check_counts(counts)
         cap = self.capacity(x.shape[0])
         widths = chunk_widths(cap, self.chunks)
@@ -97,24 +125,30 @@ class ChunkedExchange:
         position = torch.cat([position, position.new_full((1,), total)])
         src, dst = layout.src.index_select(0, order), position.index_select(0, layout.dst)
         slots = padded_gather(x, src, dst)
-        bounds = [0]
-        for width in widths:
-            bounds.append(bounds[-1] + self.num_experts * width)
+        # one split (not n slices): its backward concatenates the chunks' gradients once
+        pieces = torch.split(slots, [self.num_experts * w for w in widths])
 
         def send(c: int) -> torch.Tensor:
-            rows = slots[bounds[c]:bounds[c + 1]]
-            return all_to_all_blocks(self.rank_blocks(rows, widths[c]), self.group, wait=False)
+            return all_to_all_blocks_launch(self.rank_blocks(pieces[c], widths[c]), self.group,
+                                            self._hook("wait", "dispatch", c))
 
         backs: list[torch.Tensor] = []
-        in_flight = send(0)
+        pending = [send(0)]
         for c, width in enumerate(widths):
-            arrived = in_flight
             if c + 1 < len(widths):
-                in_flight = send(c + 1)  # travels while chunk c computes
+                pending.append(send(c + 1))  # travels while chunk c computes
+            arrived = all_to_all_blocks_wait(pending[c], self.group,
+                                             self._hook("launch", "dispatch", c))
             y = experts(self.expert_rows(arrived, width), None)
-            # launched now, waited only at the end: travels while chunk c+1 computes
-            backs.append(all_to_all_blocks(self.output_blocks(y, width), self.group,
-                                           wait=False))
+            # launched now, waited after the last chunk: travels while chunk c+1 computes
+            backs.append(all_to_all_blocks_launch(self.output_blocks(y, width), self.group,
+                                                  self._hook("wait", "combine", c)))
+        # Every wait after every chunk: in backward (reverse creation order) their nodes run
+        # first, so every chunk's gradient combine exchange is launched before any chunk's
+        # experts backward, each waited just before its own chunk's.
         out_dim = backs[0].shape[-1]
-        back = torch.cat([b.reshape(self.num_experts * w, out_dim) for b, w in zip(backs, widths)])
+        back = torch.cat([
+            all_to_all_blocks_wait(b, self.group, self._hook("launch", "combine", c))
+            .reshape(self.num_experts * w, out_dim)
+            for c, (b, w) in enumerate(zip(backs, widths))])
         return padded_gather(back, dst, src)
