@@ -32,7 +32,7 @@ LAYERS = [
     ["data"],
     ["distributed"],
     ["checkpoint"],
-    ["components", "eval"],
+    ["components", "eval", "encoder_ranks"],
     ["hf_flavor", "model_args"],
     ["spec"],
     ["models"],
