@@ -42,13 +42,14 @@ class Parallelism:
     without Ulysses; two uneven all-to-alls per encoder pass; needs encoders with
     output_rows). See docs/parallelism.md."""
 
-    parts: dict[str, dict[str, str]] = field(default_factory=dict)
+    parts: dict[str, dict[str, str | list[int]]] = field(default_factory=dict)
     """Per-part layouts over the three global layout keys, one TOML table per encoder or
     decoder, keyed by its qualified name: [parallelism.parts."encoders.vision"] with
     fsdp_mesh (as encoder_fsdp_mesh), sequence_parallel (as encoder_sequence_parallel; encoders
-    only) and activation_checkpoint (as omni.encoder_activation_checkpoint). A key left out
-    takes the global key's value. TOML only (not on the command line). See
-    docs/parallelism.md."""
+    only) and activation_checkpoint (as omni.encoder_activation_checkpoint); ranks (a list of
+    global ranks, encoders only) runs the encoders on those ranks and the LLM on the others
+    (non-colocated). A key left out takes the global key's value. TOML only (not on the
+    command line). See docs/parallelism.md."""
 
     expert_capacity_factor: float = 0.0
     """MoE token dispatch. 0 (default): exact, no token dropped (under expert parallel an
