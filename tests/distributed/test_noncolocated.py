@@ -5,10 +5,10 @@ decoder) on 3 ranks: rank 0 runs the vision and audio encoders only, ranks 1-2 r
 data parallel, rank 2 with a batch without media. The summed losses and every gradient
 (encoders' on rank 0, the LLM's and decoder's on ranks 1-2) equal the single-process
 reference over both batches within 1e-5; with frozen encoders no all-to-all runs in backward
-and the LLM's gradients still match. The tiny test model on 4 ranks puts the encoders on two
-non-adjacent ranks (0 and 2), so that items of several sizes are spread over them and put
-back in order; it also freezes the audio encoder alone (one exchange with gradient, one
-without).
+and the LLM's gradients still match. The qwen3_moe_omni debug model (an MoE foundation) on 3
+ranks likewise. The tiny test model on 4 ranks puts the encoders on two non-adjacent ranks (0
+and 2), so that items of several sizes are spread over them and put back in order; it also
+freezes the audio encoder alone (one exchange with gradient, one without).
 """
 
 from __future__ import annotations
@@ -178,6 +178,17 @@ def test_llama_omni_encoders_on_rank_0_match_reference():
         per_rank = [r[i] for r in results]
         _check(per_rank, frozen)
         assert per_rank[0]["items"] == 3  # rank 1's image, video and audio clip
+
+
+def test_qwen3_moe_omni_encoders_on_rank_0_match_reference():
+    """The MoE foundation (routing, load-balancing loss) behind the same exchange."""
+    from tests.distributed import common as C
+
+    results = run_distributed(_cases, 3, C.ModelSpec(zoo="qwen3_moe_omni"), (0,), ((),),
+                              timeout=600)
+    per_rank = [r[0] for r in results]
+    _check(per_rank, ())
+    assert per_rank[0]["items"] == 3  # rank 1's image, video and audio clip
 
 
 def test_tiny_model_two_encoder_ranks_match_reference():

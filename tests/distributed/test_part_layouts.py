@@ -2,7 +2,9 @@
 TOML interface and its one-line refusals, and the llama_omni debug model with every modality
 under a mixed layout (vision replicated, balanced over all ranks and checkpointed; audio on
 the dp_shard mesh and split over the SP ranks; the image decoder on dp_shard), whose losses and
-gradients equal the default layout's and the single-process reference's in float32."""
+gradients equal the default layout's and the single-process reference's in float32; the
+qwen3_moe_omni debug model (MoE foundation, no image decoder) likewise under Ulysses 2 x expert
+parallel 2 with the encoders' tables."""
 
 from __future__ import annotations
 
@@ -280,6 +282,8 @@ def _assert_mixed_parity(results, name, sp: bool):
         assert set(out["losses"]) == {"text", "gen_image"}, out["losses"]
         # every part of the table learns something (a check that cannot fail is no check)
         assert all(v > 0 for v in out["ref_grads"].values()), out["ref_grads"]
+        # default: both encoders replicated over SP; the table: vision balanced, audio split
+        assert out["installed"] == ((False, False), (True, True)), out["installed"]
         assert out["balance_stats"] is not None
         assert out["vision"] == (True, True, ("replicate_all", "no_shard")), out["vision"]
         split, balanced, checkpointed, audio_mesh = out["audio"]
@@ -309,6 +313,62 @@ def test_llama_omni_mixed_layout_dp2_sp2():
     results = run_distributed(_llama_omni_layouts, 4, [("dp2_sp2", dict(dp_shard=2, sp=2))],
                               timeout=900)
     _assert_mixed_parity(results, "dp2_sp2", sp=True)
+
+
+MOE_MIXED = {k: v for k, v in MIXED.items() if k.startswith("encoders.")}
+
+
+def _qwen3_moe_omni_mixed(rank, world):
+    """qwen3_moe_omni (no image decoder) under Ulysses 2 x expert parallel 2: the default
+    layout, then :data:`MOE_MIXED`, each against one process, the mixed one's losses and
+    gradients against the default's."""
+    from tests.distributed.test_parity import _layout_check
+    from tests.models.batches import mixed_batch
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = C.ModelSpec(zoo="qwen3_moe_omni")
+    vocab = get_train_spec(spec.zoo).model_args["debugmodel"].llm_args.vocab_size
+
+    def batches(ndp):
+        ref = C.reference_model(spec)
+        return [mixed_batch(ref, vocab, seed=30 + i, multiple=2) for i in range(ndp)]
+
+    dims_kw = dict(dp_shard=1, sp=2, ep=2)
+    def extra(model, ref, dims, cfg, grads, batches):
+        # every part of the table learns something (a check that cannot fail is no check)
+        ref_grads = {part: sum(float(p.grad.abs().sum()) for n, p in ref.named_parameters()
+                               if n.startswith(part + ".") and p.grad is not None)
+                     for part in MOE_MIXED}
+        from torchtitan_omni.distributed.boundary import BalancedMediaEncoder
+        from torchtitan_omni.distributed.encoder_sp import SplitMediaEncoder
+
+        installed = (isinstance(model.encoders["vision"], BalancedMediaEncoder),
+                     isinstance(model.encoders["audio"], SplitMediaEncoder))
+        return {"grads": grads, "ref_grads": ref_grads, "installed": installed}
+
+    base = _layout_check(world, "sp2_ep2", spec, dims_kw, {}, batches, extra=extra)
+    mixed = _layout_check(world, "sp2_ep2", spec, dims_kw, dict(parallelism__parts=MOE_MIXED),
+                          batches, extra=extra)
+    return {"loss_err": (base["loss_err"], mixed["loss_err"]),
+            "ref_grad_problems": base["grad_problems"] + mixed["grad_problems"],
+            "default_loss_err": max(C.rel_error(mixed["losses"][k], base["losses"][k])
+                                    for k in base["losses"]),
+            "default_grad_problems": C.compare(mixed["grads"], base["grads"], RTOL),
+            "losses": sorted(mixed["losses"]), "ref_grads": mixed["ref_grads"],
+            "installed": (base["installed"], mixed["installed"])}
+
+
+def test_qwen3_moe_omni_mixed_layout_under_ulysses_2_and_expert_parallel_2():
+    results = run_distributed(_qwen3_moe_omni_mixed, 2, timeout=900)
+    for rank, out in enumerate(results):
+        assert max(out["loss_err"]) < RTOL, (rank, out["loss_err"])
+        assert not out["ref_grad_problems"], (rank, out["ref_grad_problems"][:5])
+        assert out["default_loss_err"] < RTOL, (rank, out["default_loss_err"])
+        assert not out["default_grad_problems"], (rank, out["default_grad_problems"][:5])
+        assert "text" in out["losses"], out["losses"]
+        assert all(v > 0 for v in out["ref_grads"].values()), out["ref_grads"]
+        # default: both encoders replicated over SP; the table: vision balanced, audio split
+        assert out["installed"] == ((False, False), (True, True)), out["installed"]
 
 
 # ----------------------------------------------------------------- run_train.sh
