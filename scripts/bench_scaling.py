@@ -193,7 +193,7 @@ def omni_1gpu(layers: int = 16) -> list[Point]:
 
 def omni_2gpu() -> list[Point]:
     """Two GPUs, full 8B, FSDP2: stock, text-only, realistic and toy at 8K, realistic at 32K
-    with Ulysses SP2; then the 8K points compiled."""
+    with Ulysses SP2; then the 8K points compiled; last 64K, and 128K with the offloads."""
     eager = [
         Point("stock_llama3_8B_8k_fsdp2", "8B", 2, 8192, SEL, stock=True, estimate_s=80),
         Point("omni_8B_8k_text_only", LLAMA8B, 2, 8192, SEL, workload="text", estimate_s=90),
@@ -203,7 +203,16 @@ def omni_2gpu() -> list[Point]:
     # full AC: 16K tokens per rank next to 71 GiB of sharded fp32 states and AdamW moments
     long = Point("omni_8B_32k_sp2_full_ac_realistic", LLAMA8B, 2, 32768, FULL + _sp(2),
                  steps=6, warmup=2, workload="realistic", estimate_s=120)
-    return eager + [long] + [compiled(p) for p in eager]
+    # the longest rows: 64K (the >= 50% MFU target), 128K with the LLM blocks' saved
+    # activations in host memory and FSDP's CPU offload of parameters and optimizer state
+    longer = [
+        Point("omni_8B_64k_sp2_full_ac_realistic", LLAMA8B, 2, 65536, FULL + _sp(2), steps=5,
+              warmup=2, workload="realistic", estimate_s=150),
+        Point("omni_8B_128k_sp2_full_ac_offload_realistic", LLAMA8B, 2, 131072,
+              FULL + _sp(2) + ("--omni.activation_offload", "--training.enable_cpu_offload"),
+              steps=4, warmup=2, workload="realistic", estimate_s=240),
+    ]
+    return eager + [long] + [compiled(p) for p in eager] + longer
 
 
 def llama_4gpu() -> list[Point]:

@@ -176,7 +176,10 @@ def test_plans_and_the_compile_filters():
     two = bench.PLANS["omni_2gpu"]
     assert {(p.workload, p.seq_len, p.stock) for p in two if not p.compile} == {
         ("text", 8192, True), ("text", 8192, False), ("realistic", 8192, False),
-        ("toy", 8192, False), ("realistic", 32768, False)}
+        ("toy", 8192, False), ("realistic", 32768, False), ("realistic", 65536, False),
+        ("realistic", 131072, False)}
+    offload = next(p for p in two if p.seq_len == 131072).command()
+    assert "--omni.activation_offload" in offload and "--training.enable_cpu_offload" in offload
     sp2 = next(p for p in two if p.seq_len == 32768).command()
     assert sp2[sp2.index("--parallelism.ulysses_degree") + 1] == "2"
     assert "--parallelism.encoder_sequence_parallel" in sp2
