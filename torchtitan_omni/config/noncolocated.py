@@ -30,7 +30,6 @@ _UNSUPPORTED = (
      "expert parallel"),
     (lambda c: c.parallelism.encoder_sequence_parallel != "replicate",
      "parallelism.encoder_sequence_parallel", "encoders split or balanced over ranks"),
-    (lambda c: c.validation.enable, "validation.enable", "validation"),
     (lambda c: c.compile.enable, "compile.enable", "torch.compile"),
     (lambda c: c.lora.enable, "lora.enable", "LoRA"),
     (lambda c: bool(c.weights.sources), "weights.sources", "initial weights per part"),
