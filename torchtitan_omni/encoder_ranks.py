@@ -5,11 +5,11 @@ The encoder ranks (``[parallelism.parts."encoders.<name>"] ranks``) hold only th
 ``Trainer.__init__`` builds their optimizer, LR scheduler, metrics and checkpoint manager
 as on any rank, from a train spec without tokenizer and data loader, whose validator serves
 the LLM ranks' validation (:func:`encoder_ranks_spec`). Each step they serve the LLM ranks'
-micro-batches (:func:`serve_encoders`): as many as the LLM ranks run, each an
-``EncoderServer.step`` and ``backward``, then the clip by the job's gradient norm, the
-optimizer and scheduler steps, and the LLM ranks' log line, which the encoder ranks log too
-(the default ``LOG_RANK=0`` shows rank 0, which may be an encoder rank). Validation likewise
-(:class:`EncoderRanksValidator`).
+micro-batches (:func:`serve_encoders`): as many as the LLM ranks run, in the order of
+``parallelism.encoder_schedule`` (``distributed.encoder_schedule``), then the clip by the
+job's gradient norm, the optimizer and scheduler steps, and the LLM ranks' log line, which
+the encoder ranks log too (the default ``LOG_RANK=0`` shows rank 0, which may be an encoder
+rank). Validation likewise (:class:`EncoderRanksValidator`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torchtitan.components.validate import BaseValidator
 from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import TrainSpec
 
+from torchtitan_omni.distributed.encoder_schedule import serve_micro_batches
 from torchtitan_omni.distributed.noncolocated import (
     EncoderServer,
     RankSets,
@@ -113,9 +114,8 @@ def serve_encoders(trainer: Any, server: EncoderServer) -> None:
     trainer.optimizers.zero_grad()
     lr = trainer.lr_schedulers.schedulers[0].get_last_lr()[0]
     server.events.clear()
-    for _ in range(trainer.gradient_accumulation_steps):
-        server.step()
-        server.backward()
+    serve_micro_batches(server, trainer.gradient_accumulation_steps,
+                        trainer.job_config.parallelism.encoder_schedule)
     params = [p for m in trainer.model_parts for p in m.parameters()]
     clip_grad_norm_(params, trainer.job_config.training.max_norm,
                     combine=partial(combine_grad_norms, ranks=server.ranks))

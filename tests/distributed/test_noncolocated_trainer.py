@@ -10,9 +10,11 @@
   0 of 3 (``encoder_schedule = "sync"``) against colocated on 2 processes, every step's named
   losses and gradient norm and every validation metric within 1e-5, the encoder rank serving
   as many validation forwards as the LLM ranks ran; a colocated checkpoint resumed with the
-  encoders on ranks 0-1 of 4 (two encoder ranks, FSDP among them) continues the colocated
-  run within 1e-5 (validation included); the non-colocated run's checkpoint (the same tensor
-  names as colocated) resumes colocated.
+  encoders on ranks 0-1 of 4 (two encoder ranks, FSDP among them) and the pipelined schedule
+  continues the colocated and the synchronous runs within 1e-5 (validation included), its
+  encoder ranks having encoded micro-batch 2 before micro-batch 1's gradients came (the
+  synchronous run's after); the non-colocated run's checkpoint (the same tensor names as
+  colocated) resumes colocated.
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ REFUSALS = [
      "supported with non-colocated encoders"),
     (NC, ("--parallelism.ulysses_degree", "2"), "parallelism.ulysses_degree: Ulysses"),
     (NC, ("--parallelism.expert_parallel_degree", "2"), "parallelism.expert_parallel_degree"),
+    ("", ("--parallelism.encoder_schedule", "pipelined"),
+     'parallelism.encoder_schedule = "pipelined" needs non-colocated encoders'),
     (NC, ("--compile.enable",), "compile.enable: torch.compile is not supported"),
     (NC, ("--lora.enable",), "lora.enable: LoRA is not supported"),
     (NC, ("--weights.sources", "encoders.vision=/tmp"), "weights.sources: initial weights"),
@@ -155,8 +159,10 @@ VALIDATION = ("--validation.enable", "--validation.freq", "2", "--validation.ste
 COMMON = ("--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "1",
           "--debug.deterministic", "--debug.seed", "42", *CHECKPOINTS, *ACCUMULATION,
           *VALIDATION)
+PIPELINED = ("--parallelism.encoder_schedule", "pipelined")
 #: the encoder server's order within a step of two micro-batches
 SYNC_ORDER = ["encode 0", "gradients 0", "encode 1", "gradients 1"]
+PIPELINED_ORDER = ["encode 0", "encode 1", "gradients 0", "gradients 1"]
 
 
 def _train(config, folder: str, ngpu: int, *overrides: str) -> dict[str, dict]:
@@ -213,18 +219,18 @@ def _keys(folder: str, step: int) -> set[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[str, dict]]:
-    """colocated (2 processes), non-colocated (rank 0 of 3), each 3 steps with a checkpoint
-    per step; then the colocated step-1 checkpoint resumed on ranks 0-1 of 4, and the
-    non-colocated step-2 one resumed colocated."""
+    """colocated (2 processes), non-colocated synchronous (rank 0 of 3), each 3 steps with a
+    checkpoint per step; then the colocated step-1 checkpoint resumed on ranks 0-1 of 4 with
+    the pipelined schedule, and the non-colocated step-2 one resumed colocated."""
     out = {}
     debug = str(REPO / "train_configs" / "llama_omni_debug.toml")
     for name, config, ngpu in (("colocated", debug, 2), ("noncolocated", NONCOLOCATED, 3)):
         folder = str(tmp_path_factory.mktemp(name))
         out[name] = (folder, _train(config, folder, ngpu))
-    two = tmp_path_factory.mktemp("two_encoder_ranks")
+    two = tmp_path_factory.mktemp("pipelined")
     (two / "job.toml").write_text(DEBUG_TOML + _ranks_toml("[0, 1]", "[0, 1]"))
     _resumed(out["colocated"][0], str(two), keep=1)
-    out["two_encoder_ranks"] = (str(two), _train(two / "job.toml", str(two), 4))
+    out["pipelined"] = (str(two), _train(two / "job.toml", str(two), 4, *PIPELINED))
     back = str(tmp_path_factory.mktemp("back_to_colocated"))
     _resumed(out["noncolocated"][0], back, keep=2)
     out["back"] = (back, _train(debug, back, 2))
@@ -250,18 +256,21 @@ def test_rank_0_of_3_matches_colocated(runs):
     assert set(steps[1]) == {"grad_norm", "text", "gen_image"}
     assert not _close(steps, colocated["steps"], range(1, STEPS + 1))
     _check_validation(noncolocated["validation"], colocated["validation"])
-    # micro-batch 1's gradients came back before micro-batch 2 was encoded
+    # synchronous: micro-batch 1's gradients came back before micro-batch 2 was encoded
     assert all(e == SYNC_ORDER for e in noncolocated["events"].values()), noncolocated["events"]
     # the same tensor names (model, optimizer, data loader, schedulers) as colocated
     assert _keys(runs["noncolocated"][0], 2) == _keys(runs["colocated"][0], 2)
 
 
 @pytest.mark.slow
-def test_colocated_checkpoint_resumes_on_two_encoder_ranks(runs):
-    resumed = runs["two_encoder_ranks"][1]
+def test_pipelined_on_two_encoder_ranks_resumes_colocated(runs):
+    resumed = runs["pipelined"][1]
     steps = resumed["steps"]
     assert sorted(steps) == [2, 3], steps  # from step 1
+    # pipelined: micro-batch 2 encoded before micro-batch 1's gradients came
+    assert all(e == PIPELINED_ORDER for e in resumed["events"].values()), resumed["events"]
     assert not _close(steps, runs["colocated"][1]["steps"], (2, 3))
+    assert not _close(steps, runs["noncolocated"][1]["steps"], (2, 3))
     _check_validation(resumed["validation"], runs["colocated"][1]["validation"])
 
 
