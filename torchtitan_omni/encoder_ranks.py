@@ -3,37 +3,93 @@
 The encoder ranks (``[parallelism.parts."encoders.<name>"] ranks``) hold only the encoders
 (``distributed.split_model.EncoderRanksModel``) and read no data. TorchTitan's
 ``Trainer.__init__`` builds their optimizer, LR scheduler, metrics and checkpoint manager
-as on any rank, from a train spec without tokenizer and data loader
-(:func:`encoder_ranks_spec`). Each step they serve the LLM ranks' micro-batches
-(:func:`serve_encoders`): as many as the LLM ranks run, each an ``EncoderServer.step`` and
-``backward``, then the clip by the job's gradient norm, the optimizer and scheduler steps,
-and the LLM ranks' log line, which the encoder ranks log too (the default ``LOG_RANK=0``
-shows rank 0, which may be an encoder rank).
+as on any rank, from a train spec without tokenizer and data loader, whose validator serves
+the LLM ranks' validation (:func:`encoder_ranks_spec`). Each step they serve the LLM ranks'
+micro-batches (:func:`serve_encoders`): as many as the LLM ranks run, in the order of
+``parallelism.encoder_schedule`` (``distributed.encoder_schedule``), then the clip by the
+job's gradient norm, the optimizer and scheduler steps, and the LLM ranks' log line, which
+the encoder ranks log too (the default ``LOG_RANK=0`` shows rank 0, which may be an encoder
+rank). Validation likewise (:class:`EncoderRanksValidator`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
+import torch.nn as nn
+
+from torchtitan.components.validate import BaseValidator
 from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import TrainSpec
 
+from torchtitan_omni.distributed.encoder_schedule import serve_micro_batches
 from torchtitan_omni.distributed.noncolocated import (
     EncoderServer,
+    RankSets,
     combine_grad_norms,
     share_from_llm,
 )
 from torchtitan_omni.distributed.utils import clip_grad_norm_
+from torchtitan_omni.eval.validator import log_validation, validates_at
+from torchtitan_omni.platform import local_device
 
 
 def encoder_ranks_spec(spec: TrainSpec) -> TrainSpec:
-    """``spec`` without tokenizer and data loader: what TorchTitan's ``Trainer.__init__``
-    builds on an encoder rank."""
-    return dataclasses.replace(spec, build_tokenizer_fn=None,
-                               build_dataloader_fn=None)  # type: ignore[arg-type]
+    """``spec`` without tokenizer and data loader, with :class:`EncoderRanksValidator`: what
+    TorchTitan's ``Trainer.__init__`` builds on an encoder rank."""
+    return dataclasses.replace(spec, build_tokenizer_fn=None,  # type: ignore[arg-type]
+                               build_dataloader_fn=None,
+                               build_validator_fn=build_encoder_ranks_validator)
+
+
+class EncoderRanksValidator(BaseValidator):
+    """Validation on an encoder rank: at the LLM ranks' validation steps
+    (``validation.freq``), encode their held-out batches' media forward only, with the
+    encoders in eval mode, until they are through (``EncoderServer.serve_forward``), then
+    log the LLM ranks' metrics (``OmniValidator`` shares them)."""
+
+    def __init__(self, job_config: JobConfig, ranks: RankSets, metrics_processor: Any) -> None:
+        super().__init__(job_config)
+        self.ranks = ranks
+        self.metrics_processor = metrics_processor
+        self.last_metrics: dict[str, float] = {}
+        #: forwards served in the last validation (the LLM ranks' batch count)
+        self.last_served = 0
+
+    def should_validate(self, step: int) -> bool:
+        """The LLM ranks' rule (``OmniValidator.should_validate``)."""
+        return validates_at(self.job_config, step)
+
+    def validate(self, model_parts: list[nn.Module], step: int) -> dict[str, float]:
+        """Serve one validation of the LLM ranks; log and return their metrics."""
+        start = time.perf_counter()
+        model = model_parts[0]
+        server = EncoderServer(self.ranks, cast(Any, model).encoders, local_device(), run=model)
+        for m in model_parts:
+            m.eval()
+        try:
+            self.last_served = server.serve_forward()
+        finally:
+            for m in model_parts:
+                m.train()
+        metrics = share_from_llm(None, self.ranks)
+        log_validation(self.metrics_processor, step, metrics)
+        self.metrics_processor.time_last_log += time.perf_counter() - start
+        self.last_metrics = metrics
+        return metrics
+
+
+def build_encoder_ranks_validator(job_config: JobConfig, parallel_dims: Any,
+                                  metrics_processor: Any = None, **kwargs: Any
+                                  ) -> EncoderRanksValidator:
+    """``TrainSpec.build_validator_fn`` of the encoder ranks (TorchTitan's keywords; the
+    tokenizer and data ones are the LLM ranks' business)."""
+    del kwargs
+    return EncoderRanksValidator(job_config, parallel_dims.rank_sets, metrics_processor)
 
 
 def llm_accumulation_steps(job_config: JobConfig, llm_data_ranks: int) -> int:
@@ -57,9 +113,9 @@ def serve_encoders(trainer: Any, server: EncoderServer) -> None:
     """One training step of an encoder rank (see the module docstring)."""
     trainer.optimizers.zero_grad()
     lr = trainer.lr_schedulers.schedulers[0].get_last_lr()[0]
-    for _ in range(trainer.gradient_accumulation_steps):
-        server.step()
-        server.backward()
+    server.events.clear()
+    serve_micro_batches(server, trainer.gradient_accumulation_steps,
+                        trainer.job_config.parallelism.encoder_schedule)
     params = [p for m in trainer.model_parts for p in m.parameters()]
     clip_grad_norm_(params, trainer.job_config.training.max_norm,
                     combine=partial(combine_grad_norms, ranks=server.ranks))

@@ -17,7 +17,8 @@ Run as ``python -m torchtitan_omni.train --job.config_file CONFIG [--section.key
   gets its own meshes (``distributed.rank_sets``) and share of the model
   (``distributed.split_model``); LLM ranks exchange each micro-batch's media with the encoder
   ranks before the forward (``EncoderClient``), encoder ranks serve them
-  (``torchtitan_omni.encoder_ranks``); the gradient norm is the job's on every rank.
+  (``torchtitan_omni.encoder_ranks``), in the order of ``parallelism.encoder_schedule``
+  (``distributed.encoder_schedule``); the gradient norm is the job's on every rank.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
 from torchtitan_omni.components.quantization import add_omni_float8_filters
 from torchtitan_omni.distributed.boundary import balance_metrics
 from torchtitan_omni.distributed.compile import compiled_graphs
+from torchtitan_omni.distributed.encoder_schedule import run_micro_batches
 from torchtitan_omni.distributed.noncolocated import (
     EncoderClient,
     EncoderServer,
@@ -174,17 +176,16 @@ class OmniTrainer(Trainer):
 
     # ----------------------------------------------------------------- one step
     def forward_backward_step(
-        self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor,
+        self, *, inputs: tuple[torch.Tensor, Any, torch.Tensor, dict[str, torch.Tensor]],
         global_counts: dict[str, torch.Tensor], aux_contributions: int,
         absent: frozenset[str] = frozenset(),
     ) -> dict[str, torch.Tensor]:
-        """Forward and backward of one micro-batch; returns each loss part (detached).
-        ``absent``: modalities no rank has in this micro-batch (their parts are skipped)."""
+        """Forward and backward of one micro-batch (``inputs``: ``model_inputs``'s, on the
+        device); returns each loss part (detached). ``absent``: modalities no rank has in
+        this micro-batch (their parts are skipped). Non-colocated encoders: the stubs take
+        the rows the exchange before it brought (``encoder_schedule``)."""
         model = self.model_parts[0]
-        tokens, meta, labels, media = model_inputs(input_dict, labels, self.device)
-        if self.encoder_client is not None:
-            # the media out to the encoder ranks, their rows back for the stubs
-            self.encoder_client.exchange(media, absent)
+        tokens, meta, labels, media = inputs
         with self.train_context(), self.maybe_enable_amp:
             out = model(tokens, meta, labels, absent=absent, **media)
             loss, parts = self.loss_fn(out.losses, global_counts, out.aux_losses, aux_contributions)
@@ -227,13 +228,23 @@ class OmniTrainer(Trainer):
         present = global_vec[len(names):].view(presence.shape).tolist()
         contributions = self.gradient_accumulation_steps * (loss_mesh.size() if loss_mesh else 1)
 
+        absents = [frozenset(m for m, n in zip(model.modalities, flags) if n == 0)
+                   for flags in present]
+        staged: dict[int, Any] = {}  # micro-batches on the device, from staging to their run
+
+        def media(i: int) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+            # non-colocated encoders: micro-batch i's media out, maybe one run early
+            staged[i] = model_inputs(*microbatches[i], self.device)
+            return staged[i][3], absents[i]
+
+        def run(i: int) -> dict[str, torch.Tensor]:
+            inputs = staged.pop(i) if i in staged else model_inputs(*microbatches[i], self.device)
+            return self.forward_backward_step(inputs=inputs, global_counts=global_counts,
+                                              aux_contributions=contributions, absent=absents[i])
+
         sums: dict[str, torch.Tensor] = {}
-        for (batch, labels), flags in zip(microbatches, present):
-            absent = frozenset(m for m, n in zip(model.modalities, flags) if n == 0)
-            parts = self.forward_backward_step(
-                input_dict=batch, labels=labels, global_counts=global_counts,
-                aux_contributions=contributions, absent=absent,
-            )
+        for parts in run_micro_batches(self.encoder_client, len(microbatches),
+                                       self.job_config.parallelism.encoder_schedule, media, run):
             for name, value in parts.items():
                 sums[name] = sums[name] + value if name in sums else value
         self.moe_counter.end_step()

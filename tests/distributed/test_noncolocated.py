@@ -8,7 +8,10 @@ reference over both batches within 1e-5; with frozen encoders no all-to-all runs
 and the LLM's gradients still match. The qwen3_moe_omni debug model (an MoE foundation) on 3
 ranks likewise. The tiny test model on 4 ranks puts the encoders on two non-adjacent ranks (0
 and 2), so that items of several sizes are spread over them and put back in order; it also
-freezes the audio encoder alone (one exchange with gradient, one without).
+freezes the audio encoder alone (one exchange with gradient, one without), and runs two
+micro-batches per LLM rank in the pipelined schedule (``encoder_schedule``) against the
+reference over all four batches, the encoder ranks encoding micro-batch 2 before micro-batch
+1's gradients arrive.
 """
 
 from __future__ import annotations
@@ -164,8 +167,85 @@ def _check(results, frozen):
         assert all(r["checked"] == 0 for r in results if r["role"] == "encoders")
 
 
-def _cases(rank, world, spec, encoder_ranks, cases):
-    return [_run(rank, world, spec, encoder_ranks, frozen) for frozen in cases]
+def _pipelined(rank, world, spec, encoder_ranks, frozen, n=2):
+    """``n`` micro-batches per LLM rank in the pipelined schedule, the encoders named in
+    ``frozen`` frozen, against the reference step over every rank's micro-batches."""
+    import torch.distributed as dist
+
+    from tests.distributed import common as C
+    from torchtitan_omni.components.loss import OmniLoss
+    from torchtitan_omni.distributed.encoder_schedule import (
+        run_micro_batches,
+        serve_micro_batches,
+    )
+    from torchtitan_omni.distributed.noncolocated import (
+        EncoderServer,
+        RankSets,
+        install_remote_encoders,
+    )
+    from torchtitan_omni.protocols import batch as B
+
+    llm_ranks = tuple(r for r in range(world) if r not in encoder_ranks)
+    ranks = RankSets(tuple(encoder_ranks), llm_ranks, dist.group.WORLD)
+    groups = {"llm": dist.new_group(list(llm_ranks)), "enc": dist.new_group(list(encoder_ranks))}
+    batches = _batches(spec, n * len(llm_ranks))
+    freeze = [f"encoders.{name}" for name in frozen]
+    model, ref = C.reference_model(spec), C.reference_model(spec)
+    model.freeze(freeze)
+    ref.freeze(freeze)
+    ref_losses = C.reference_step(ref, batches)
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    out = {"frozen": frozen}
+    if ranks.on_encoders:
+        server = EncoderServer(ranks, model.encoders)
+        serve_micro_batches(server, n, "pipelined")
+        for p in model.encoders.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=groups["enc"])
+        grads = {f"encoders.{k}": p.grad for k, p in model.encoders.named_parameters()}
+        out.update(role="encoders", events=server.events, items=server.last_items)
+    else:
+        client = install_remote_encoders(model, ranks)
+        s = llm_ranks.index(rank)
+        mine = batches[n * s:n * s + n]
+        local = {}
+        for batch, labels in mine:
+            for k, v in model.count_targets(batch, labels).items():
+                local[k] = local.get(k, 0) + v
+        names = list(local)
+        glob = torch.stack([local[k] for k in names])
+        dist.all_reduce(glob, group=groups["llm"])
+        counts = dict(zip(names, glob))
+        loss_fn = OmniLoss({}, aux_weight=0.0)
+
+        def run(i):
+            batch, labels = mine[i]
+            meta, media = C._meta(batch)
+            result = model(batch[B.INPUT], meta, labels, **media)
+            loss, parts = loss_fn(result.losses, counts, result.aux_losses, len(llm_ranks))
+            loss.backward()
+            return {k: v.detach() for k, v in parts.items() if k in counts}
+
+        parts = run_micro_batches(client, n, "pipelined", lambda i: (mine[i][0], ()), run)
+        summed = torch.stack([sum(p[k] for p in parts) for k in names])
+        dist.all_reduce(summed, group=groups["llm"])
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=groups["llm"])
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        out.update(role="llm", encoder_params=[k for k in grads if k.startswith("encoders.")],
+                   loss_err=max(C.rel_error(float(v), ref_losses[k])
+                                for k, v in zip(names, summed)))
+    out["grad_problems"] = C.compare(grads, {k: ref_grads[k] for k in grads}, RTOL)
+    out["checked"] = sum(g is not None for g in grads.values())
+    out["ref_grad"] = {k: float(ref_grads[k].abs().sum()) for k in grads
+                       if ref_grads[k] is not None}
+    return out
+
+
+def _cases(rank, world, spec, encoder_ranks, cases, pipelined=()):
+    return ([_run(rank, world, spec, encoder_ranks, frozen) for frozen in cases]
+            + [_pipelined(rank, world, spec, encoder_ranks, frozen) for frozen in pipelined])
 
 
 def test_llama_omni_encoders_on_rank_0_match_reference():
@@ -195,9 +275,18 @@ def test_tiny_model_two_encoder_ranks_match_reference():
     from tests.distributed import common as C
 
     cases = ((), ALL, ("audio",))  # the last: one exchange with, one without gradient
-    results = run_distributed(_cases, 4, C.ModelSpec(), (0, 2), cases, timeout=600)
+    pipelined = (("audio",),)  # two micro-batches per LLM rank, pipelined
+    results = run_distributed(_cases, 4, C.ModelSpec(), (0, 2), cases, pipelined, timeout=600)
     for i, frozen in enumerate(cases):
         per_rank = [r[i] for r in results]
         _check(per_rank, frozen)
         # both encoder ranks got work (balanced by cost)
         assert all(per_rank[r]["items"] > 0 for r in (0, 2)), per_rank
+    for rank, res in enumerate(r[len(cases)] for r in results):
+        assert not res["grad_problems"], (rank, res["grad_problems"][:5])
+        assert res["checked"] and all(v > 0 for v in res["ref_grad"].values()), (rank, res)
+        if res["role"] == "llm":
+            assert res["loss_err"] < RTOL, (rank, res)
+            assert not res["encoder_params"], (rank, res["encoder_params"])
+        else:  # micro-batch 2 encoded before micro-batch 1's gradients came
+            assert res["events"] == ["encode 0", "encode 1", "gradients 0", "gradients 1"], res

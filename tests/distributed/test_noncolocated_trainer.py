@@ -5,11 +5,16 @@
   replicates over the set, the encoder ranks read no data, and the combined gradient norm
   counts each set once;
 - every start-up refusal, one line naming the key (``config/noncolocated.py``);
-- through ``run_train.sh`` (llama_omni debug, every modality, float32, deterministic):
-  encoders on rank 0 of 3 against colocated on 2 processes, every step's named losses and
-  gradient norm within 1e-5; a colocated checkpoint resumed with the encoders on ranks 0-1 of
-  4 (two encoder ranks, FSDP among them) continues the colocated run within 1e-5, and the
-  non-colocated run's checkpoint (the same tensor names as colocated) resumes colocated.
+- through ``run_train.sh`` (llama_omni debug, every modality, float32, deterministic, two
+  micro-batches per step, validation after step 2 on two held-out batches): encoders on rank
+  0 of 3 (``encoder_schedule = "sync"``) against colocated on 2 processes, every step's named
+  losses and gradient norm and every validation metric within 1e-5, the encoder rank serving
+  as many validation forwards as the LLM ranks ran; a colocated checkpoint resumed with the
+  encoders on ranks 0-1 of 4 (two encoder ranks, FSDP among them) and the pipelined schedule
+  continues the colocated and the synchronous runs within 1e-5 (validation included), its
+  encoder ranks having encoded micro-batch 2 before micro-batch 1's gradients came (the
+  synchronous run's after); the non-colocated run's checkpoint (the same tensor names as
+  colocated) resumes colocated.
 """
 
 from __future__ import annotations
@@ -104,7 +109,8 @@ REFUSALS = [
      "supported with non-colocated encoders"),
     (NC, ("--parallelism.ulysses_degree", "2"), "parallelism.ulysses_degree: Ulysses"),
     (NC, ("--parallelism.expert_parallel_degree", "2"), "parallelism.expert_parallel_degree"),
-    (NC, ("--validation.enable",), "validation.enable: validation is not supported"),
+    ("", ("--parallelism.encoder_schedule", "pipelined"),
+     'parallelism.encoder_schedule = "pipelined" needs non-colocated encoders'),
     (NC, ("--compile.enable",), "compile.enable: torch.compile is not supported"),
     (NC, ("--lora.enable",), "lora.enable: LoRA is not supported"),
     (NC, ("--weights.sources", "encoders.vision=/tmp"), "weights.sources: initial weights"),
@@ -146,22 +152,41 @@ def test_degrees_are_the_llm_ranks(monkeypatch):
 # ----------------------------------------------------------------- through run_train.sh
 CHECKPOINTS = ("--checkpoint.enable", "--checkpoint.interval", "1",
                "--checkpoint.no-last_save_model_only", "--checkpoint.keep_latest_k", "0")
+# two micro-batches of one row per step on each of the 2 data (LLM) ranks
+ACCUMULATION = ("--training.local_batch_size", "1", "--training.global_batch_size", "4")
+VALIDATION = ("--validation.enable", "--validation.freq", "2", "--validation.steps", "2",
+              "--validation.seq_len", "256", "--validation.local_batch_size", "2")
 COMMON = ("--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "1",
-          "--debug.deterministic", "--debug.seed", "42", *CHECKPOINTS)
+          "--debug.deterministic", "--debug.seed", "42", *CHECKPOINTS, *ACCUMULATION,
+          *VALIDATION)
+PIPELINED = ("--parallelism.encoder_schedule", "pipelined")
+#: the encoder server's order within a step of two micro-batches
+SYNC_ORDER = ["encode 0", "gradients 0", "encode 1", "gradients 1"]
+PIPELINED_ORDER = ["encode 0", "encode 1", "gradients 0", "gradients 1"]
 
 
-def _train(config, folder: str, ngpu: int, *overrides: str) -> dict[int, dict[str, float]]:
-    """Every step's named losses and gradient norm at full precision (global rank 0)."""
+def _train(config, folder: str, ngpu: int, *overrides: str) -> dict[str, dict]:
+    """Every step's named losses and gradient norm at full precision (global rank 0),
+    ``steps``; the encoder server's order per step (an encoder rank 0), ``events``; every
+    validation's metrics, ``validation``."""
     import json
 
-    steps = os.path.join(folder, "steps.jsonl")
+    files = {name: os.path.join(folder, f"{name}.jsonl") for name in ("steps", "validation")}
     run = run_train(config, ngpu, "--job.dump_folder", folder, *COMMON, *overrides,
                     env={"TRAIN_FILE": "tests.distributed.noncolocated_entry",
-                         "OMNI_STEP_FILE": steps})
+                         "OMNI_STEP_FILE": files["steps"],
+                         "OMNI_VALIDATION_FILE": files["validation"]})
     assert run.returncode == 0, run.output[-4000:]
-    with open(steps) as f:
-        records = [json.loads(line) for line in f]
-    return {r.pop("step"): r for r in records}
+    out: dict[str, dict] = {"events": {}}
+    for name, path in files.items():
+        records = []
+        if os.path.exists(path):  # no validation file without a validation step
+            with open(path) as f:
+                records = [json.loads(line) for line in f]
+        out[name] = {r.pop("step"): r for r in records}
+    for step, record in out["steps"].items():
+        out["events"][step] = record.pop("events", None)
+    return out
 
 
 def _resumed(src: str, dst: str, keep: int) -> None:
@@ -177,6 +202,8 @@ def _close(got: dict, ref: dict, steps) -> list[str]:
     problems = []
     for step in steps:
         for key, value in ref[step].items():
+            if key == "served":
+                continue
             err = abs(got[step][key] - value) / max(abs(value), 1e-12)
             if err > TOL:
                 problems.append(f"step {step} {key}: {got[step][key]!r} vs {value!r}")
@@ -192,43 +219,63 @@ def _keys(folder: str, step: int) -> set[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[str, dict]]:
-    """colocated (2 processes), non-colocated (rank 0 of 3), each 3 steps with a checkpoint
-    per step; then the colocated step-1 checkpoint resumed on ranks 0-1 of 4, and the
-    non-colocated step-2 one resumed colocated."""
+    """colocated (2 processes), non-colocated synchronous (rank 0 of 3), each 3 steps with a
+    checkpoint per step; then the colocated step-1 checkpoint resumed on ranks 0-1 of 4 with
+    the pipelined schedule, and the non-colocated step-2 one resumed colocated."""
     out = {}
     debug = str(REPO / "train_configs" / "llama_omni_debug.toml")
     for name, config, ngpu in (("colocated", debug, 2), ("noncolocated", NONCOLOCATED, 3)):
         folder = str(tmp_path_factory.mktemp(name))
         out[name] = (folder, _train(config, folder, ngpu))
-    two = tmp_path_factory.mktemp("two_encoder_ranks")
+    two = tmp_path_factory.mktemp("pipelined")
     (two / "job.toml").write_text(DEBUG_TOML + _ranks_toml("[0, 1]", "[0, 1]"))
     _resumed(out["colocated"][0], str(two), keep=1)
-    out["two_encoder_ranks"] = (str(two), _train(two / "job.toml", str(two), 4))
+    out["pipelined"] = (str(two), _train(two / "job.toml", str(two), 4, *PIPELINED))
     back = str(tmp_path_factory.mktemp("back_to_colocated"))
     _resumed(out["noncolocated"][0], back, keep=2)
     out["back"] = (back, _train(debug, back, 2))
     return out
 
 
+def _check_validation(got: dict, ref: dict) -> None:
+    assert sorted(got) == sorted(ref) == [2], (got, ref)
+    assert set(got[2]) == set(ref[2]), (sorted(got[2]), sorted(ref[2]))
+    assert {"validation/loss/text", "validation/loss/gen_image"} <= set(ref[2]), ref
+    assert any(k.startswith("validation/mix/") and k != "validation/mix/text_only"
+               for k in ref[2]), ref  # the encoders' rows count
+    assert not _close(got, ref, [2])
+    # the encoder rank served the LLM ranks' forwards, no more, no fewer
+    assert got[2]["served"] == got[2]["validation/batches"] == 2, got
+
+
 @pytest.mark.slow
 def test_rank_0_of_3_matches_colocated(runs):
     colocated, noncolocated = runs["colocated"][1], runs["noncolocated"][1]
-    assert sorted(noncolocated) == list(range(1, STEPS + 1)), noncolocated
-    assert set(noncolocated[1]) == {"grad_norm", "text", "gen_image"}
-    assert not _close(noncolocated, colocated, range(1, STEPS + 1))
+    steps = noncolocated["steps"]
+    assert sorted(steps) == list(range(1, STEPS + 1)), steps
+    assert set(steps[1]) == {"grad_norm", "text", "gen_image"}
+    assert not _close(steps, colocated["steps"], range(1, STEPS + 1))
+    _check_validation(noncolocated["validation"], colocated["validation"])
+    # synchronous: micro-batch 1's gradients came back before micro-batch 2 was encoded
+    assert all(e == SYNC_ORDER for e in noncolocated["events"].values()), noncolocated["events"]
     # the same tensor names (model, optimizer, data loader, schedulers) as colocated
     assert _keys(runs["noncolocated"][0], 2) == _keys(runs["colocated"][0], 2)
 
 
 @pytest.mark.slow
-def test_colocated_checkpoint_resumes_on_two_encoder_ranks(runs):
-    resumed = runs["two_encoder_ranks"][1]
-    assert sorted(resumed) == [2, 3], resumed  # from step 1
-    assert not _close(resumed, runs["colocated"][1], (2, 3))
+def test_pipelined_on_two_encoder_ranks_resumes_colocated(runs):
+    resumed = runs["pipelined"][1]
+    steps = resumed["steps"]
+    assert sorted(steps) == [2, 3], steps  # from step 1
+    # pipelined: micro-batch 2 encoded before micro-batch 1's gradients came
+    assert all(e == PIPELINED_ORDER for e in resumed["events"].values()), resumed["events"]
+    assert not _close(steps, runs["colocated"][1]["steps"], (2, 3))
+    assert not _close(steps, runs["noncolocated"][1]["steps"], (2, 3))
+    _check_validation(resumed["validation"], runs["colocated"][1]["validation"])
 
 
 @pytest.mark.slow
 def test_noncolocated_checkpoint_resumes_colocated(runs):
-    resumed = runs["back"][1]
+    resumed = runs["back"][1]["steps"]
     assert sorted(resumed) == [3], resumed  # from step 2
-    assert not _close(resumed, runs["colocated"][1], (3,))
+    assert not _close(resumed, runs["colocated"][1]["steps"], (3,))

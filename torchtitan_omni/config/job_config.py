@@ -51,6 +51,15 @@ class Parallelism:
     (non-colocated). A key left out takes the global key's value. TOML only (not on the
     command line). See docs/parallelism.md."""
 
+    encoder_schedule: Literal["sync", "pipelined"] = "sync"
+    """Non-colocated encoders only (parts' ranks): the order of a step's micro-batches on
+    the two rank sets. "sync" (default): per micro-batch the encoder ranks encode, then the
+    LLM ranks run forward and backward, then the encoder ranks run backward, each set
+    waiting for the other. "pipelined": the encoder ranks encode micro-batch i+1 (and run
+    the backward of i-1) while the LLM ranks compute micro-batch i; the same numbers, needs
+    gradient accumulation (>= 2 micro-batches per step) to overlap anything, and keeps one
+    more micro-batch's encoder activations. See docs/parallelism.md."""
+
     expert_capacity_factor: float = 0.0
     """MoE token dispatch. 0 (default): exact, no token dropped (under expert parallel an
     uneven all-to-all whose split sizes are read on the host, once per layer). > 0: every

@@ -30,7 +30,6 @@ _UNSUPPORTED = (
      "expert parallel"),
     (lambda c: c.parallelism.encoder_sequence_parallel != "replicate",
      "parallelism.encoder_sequence_parallel", "encoders split or balanced over ranks"),
-    (lambda c: c.validation.enable, "validation.enable", "validation"),
     (lambda c: c.compile.enable, "compile.enable", "torch.compile"),
     (lambda c: c.lora.enable, "lora.enable", "LoRA"),
     (lambda c: bool(c.weights.sources), "weights.sources", "initial weights per part"),
@@ -49,7 +48,14 @@ def ranks_problem(cfg: JobConfig, world_size: int) -> str | None:
     """The first problem of the ``ranks`` keys and of what goes with them, or None (also
     when no table sets ``ranks``). ``world_size``: the launch's processes."""
     tables = _rank_tables(cfg)
+    schedule = cfg.parallelism.encoder_schedule
+    if schedule not in ("sync", "pipelined"):
+        return f'parallelism.encoder_schedule = "{schedule}": use "sync" or "pipelined"'
     if not tables:
+        if schedule != "sync":
+            return (f'parallelism.encoder_schedule = "{schedule}" needs non-colocated encoders '
+                    '([parallelism.parts."encoders.<name>"] ranks); colocated encoders run '
+                    "within the LLM's forward")
         return None
     for part, ranks in tables.items():
         key = key_name(part, RANKS_KEY)

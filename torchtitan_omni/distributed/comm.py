@@ -285,6 +285,41 @@ def all_to_all_v(
     return _AllToAllV.apply(x, list(out_splits), list(in_splits), group)
 
 
+class PendingRows:
+    """The rows of a launched :func:`all_to_all_v_start`: :meth:`wait` returns them."""
+
+    def __init__(self, out: torch.Tensor, work: dist.Work | None, sent: torch.Tensor | None
+                 ) -> None:
+        # the sent rows stay referenced until the collective is done with them
+        self._out, self._work, self._sent = out, work, sent
+
+    def wait(self) -> torch.Tensor:
+        """Block until the rows arrived (and the sent ones left); return what arrived."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = self._sent = None
+        return self._out
+
+
+def all_to_all_v_start(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                       group: ProcessGroup) -> PendingRows:
+    """:func:`all_to_all_v` of data (no gradient) launched asynchronously, so that the caller
+    computes while the rows travel; collectives issued after it on ``group`` keep their
+    order."""
+    if len(in_splits) != group.size() or len(out_splits) != group.size():
+        raise ValueError(f"all_to_all_v needs {group.size()} splits, got {in_splits}, {out_splits}")
+    if sum(in_splits) != x.shape[0]:
+        raise ValueError(f"all_to_all_v: splits {in_splits} do not cover {x.shape[0]} rows")
+    if x.device.type == "cpu" and "gloo" not in str(dist.get_backend(group)):
+        with torch.no_grad():  # host rows under NCCL: through the device, synchronously
+            return PendingRows(all_to_all_v(x, out_splits, in_splits, group), None, None)
+    x = x.detach().contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=group,
+                                  async_op=True)
+    return PendingRows(out, work, x)
+
+
 def exchange_counts(counts: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """``counts`` ``[world, n]`` (row ``j`` for rank ``j``) -> ``[world, n]`` received (row
     ``i`` from rank ``i``); no gradient."""

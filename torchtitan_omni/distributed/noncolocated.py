@@ -2,11 +2,16 @@
 
 One process group holds both rank sets (:class:`RankSets`). LLM ranks hold the batches and
 the LLM (and the decoders); their model's encoders are :class:`RemoteEncoder` stubs without
-parameters. Encoder ranks hold the encoders only and no batch. Per step, synchronously:
+parameters. Encoder ranks hold the encoders only and no batch. Per micro-batch:
 
-- LLM ranks call :meth:`EncoderClient.exchange` on their batch, then run the model as usual
-  (the stubs hand out the embeddings the exchange brought) and ``loss.backward()``;
-- encoder ranks call :meth:`EncoderServer.step`, then :meth:`EncoderServer.backward`.
+- LLM ranks call :meth:`EncoderClient.exchange` on their batch (or its halves ``send`` and
+  ``receive``), then run the model as usual (the stubs hand out the embeddings the exchange
+  brought) and ``loss.backward()``;
+- encoder ranks call :meth:`EncoderServer.step`, then :meth:`EncoderServer.backward` (or
+  their stages one by one: ``receive``, ``encode``, ``send_rows``, ``receive_grads``,
+  ``backward_encoders``). ``encoder_schedule`` orders a step's micro-batches ("sync" or
+  "pipelined"); validation runs forwards only (``EncoderServer.serve_forward``, ended by
+  ``EncoderClient.stop``).
 
 Collectives on the group, in the same order on every rank:
 
@@ -16,15 +21,20 @@ Collectives on the group, in the same order on every rank:
    encoder rank by the cost model of ``boundary`` (``assign_items``, greedy
    longest-processing-time over the encoder ranks);
 2. per pass with items somewhere and per media tensor, one uneven all-to-all (``comm
-   .all_to_all_v``) from the LLM ranks to the encoder ranks (data: no gradient);
+   .all_to_all_v_start``) from the LLM ranks to the encoder ranks (data: no gradient),
+   launched asynchronously: the LLM ranks wait for it before step 3 (in the pipelined
+   schedule after computing the micro-batch before), the encoder ranks before encoding (in
+   the pipelined schedule after the backward of an earlier micro-batch);
 3. the encoder ranks encode each pass in one call and send the rows back: one all-to-all for
    the passes of trainable encoders (differentiable: its backward routes each row's gradient
    to the rank that encoded it) and one under ``no_grad`` for frozen encoders.
 
 In backward exactly one all-to-all runs on the group (none when every encoder is frozen):
-the LLM ranks issue it from ``loss.backward()``, the encoder ranks from
-:meth:`EncoderServer.backward`, which then runs the encoders' backward. Encoder parameter
-gradients are sums over every LLM rank's loss, as with colocated encoders.
+the LLM ranks issue it from ``loss.backward()`` (the adjoint of step 3's), the encoder ranks
+explicitly (:meth:`EncoderServer.receive_grads`: their step-3 all-to-all is outside
+autograd, so that a schedule can put other exchanges between the gradients' arrival and the
+encoders' backward), then run the encoders' backward on them. Encoder parameter gradients
+are sums over every LLM rank's loss, as with colocated encoders.
 """
 
 from __future__ import annotations
@@ -39,7 +49,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan_omni.distributed.boundary import assign_items, host_index, item_costs, pad_tail
-from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_v
+from torchtitan_omni.distributed.comm import (
+    PendingRows,
+    ProcessGroup,
+    all_to_all_v,
+    all_to_all_v_start,
+)
 from torchtitan_omni.distributed.encoder_sp import item_rows, key_rows, slice_items
 from torchtitan_omni.omni_model import pass_media
 from torchtitan_omni.protocols.modules import OmniEncoder
@@ -147,9 +162,10 @@ def _plan(meta: list[Any], ranks: RankSets) -> list[_Pass | None]:
 
 
 def _send_inputs(ranks: RankSets, p: _Pass, media: dict[str, torch.Tensor] | None,
-                 device: torch.device) -> dict[str, torch.Tensor]:
-    """Step 2 for one pass: each item's input rows to its encoder rank. Returns what arrived
-    (items by LLM rank, then in the LLM rank's order; nothing on an LLM rank)."""
+                 device: torch.device) -> dict[str, PendingRows]:
+    """Step 2 for one pass: each item's input rows to its encoder rank, launched (the
+    caller waits when it needs them, or before the next step 3). Returns what arrives (items
+    by LLM rank, then in the LLM rank's order; nothing on an LLM rank)."""
     me, size = ranks.rank, ranks.group.size()
     received = {}
     for key in p.keys:
@@ -168,37 +184,76 @@ def _send_inputs(ranks: RankSets, p: _Pass, media: dict[str, torch.Tensor] | Non
             e = ranks.encoders.index(me)
             for s, r in enumerate(ranks.llm):
                 out_splits[r] = p.sent(s, e, "spans", key)
-        received[key] = all_to_all_v(send, out_splits, in_splits, ranks.group)
+        received[key] = all_to_all_v_start(send, out_splits, in_splits, ranks.group)
     return received
 
 
-def _rows_back(ranks: RankSets, plan: list[tuple[int, _Pass]], rows: dict[int, torch.Tensor],
-               width: int, dtype: torch.dtype, device: torch.device, grad: bool
-               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """Step 3 for a set of passes (index, pass): one all-to-all of their embedding rows from
-    the encoder ranks (``rows``: pass index -> rows in arrival order) to the LLM ranks.
-    Returns what arrived, and on an LLM rank each pass's rows in its item order."""
+@dataclass
+class _Kept:
+    """An encoder rank's rows of trainable passes sent in step 3, kept with their graph until
+    their gradients arrive: ``splits[r]`` rows went to rank ``r``."""
+
+    rows: torch.Tensor
+    splits: list[int]
+
+    def receive_grads(self, group: ProcessGroup) -> torch.Tensor:
+        """The rows' gradients from the LLM ranks: the adjoint all-to-all of step 3, the one
+        the LLM ranks' ``loss.backward()`` issues (``comm._AllToAllV.backward``'s splits)."""
+        none = self.rows.new_zeros((0, *self.rows.shape[1:]))
+        return all_to_all_v(none, self.splits, [0] * group.size(), group)
+
+
+def _order_rows(ranks: RankSets, plan: list[tuple[int, _Pass]], rows: dict[int, torch.Tensor]
+                ) -> tuple[torch.Tensor, list[int]]:
+    """An encoder rank's rows of ``plan``'s passes in sending order (by LLM rank, then pass)
+    and how many go to each rank of the group."""
+    e = ranks.encoders.index(ranks.rank)
+    chunks: list[list[torch.Tensor]] = [[] for _ in ranks.llm]
+    for i, p in plan:
+        sizes = [p.sent(s, e, "out") for s in range(len(ranks.llm))]
+        for s, piece in enumerate(rows[i].split(sizes)):
+            chunks[s].append(piece)
+    splits = [0] * ranks.group.size()
+    for s, r in enumerate(ranks.llm):
+        splits[r] = sum(c.shape[0] for c in chunks[s])
+    return torch.cat([c for per_rank in chunks for c in per_rank]), splits
+
+
+def _send_rows(ranks: RankSets, plan: list[_Pass | None], rows: dict[int, torch.Tensor]
+               ) -> _Kept | None:
+    """Step 3 on an encoder rank (``rows``: pass index -> rows in arrival order): one
+    all-to-all for the trainable passes' rows, one for the frozen ones'. Returns the
+    trainable rows with their graph (None without trainable passes): the exchange itself is
+    outside autograd here, their gradients come with :meth:`_Kept.receive_grads`."""
+    live = [(i, p) for i, p in enumerate(plan) if p is not None]
+    trainable = [(i, p) for i, p in live if p.trainable]
+    frozen = [(i, p) for i, p in live if not p.trainable]
+    nothing = [0] * ranks.group.size()
+    kept = None
+    if trainable:
+        sent, splits = _order_rows(ranks, trainable, rows)
+        all_to_all_v(sent.detach(), nothing, splits, ranks.group)
+        kept = _Kept(sent, splits)
+    if frozen:
+        with torch.no_grad():
+            sent, splits = _order_rows(ranks, frozen, rows)
+            all_to_all_v(sent, nothing, splits, ranks.group)
+    return kept
+
+
+def _rows_in(ranks: RankSets, plan: list[tuple[int, _Pass]], width: int, dtype: torch.dtype,
+             device: torch.device, grad: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Step 3 on an LLM rank for a set of passes (index, pass): the all-to-all of their
+    embedding rows. Returns what arrived (in autograd with ``grad``: its backward sends the
+    rows' gradients to the ranks that encoded them) and each pass's rows in item order."""
     me, size = ranks.rank, ranks.group.size()
-    in_splits, out_splits = [0] * size, [0] * size
-    if ranks.on_encoders:
-        e = ranks.encoders.index(me)
-        chunks: list[list[torch.Tensor]] = [[] for _ in ranks.llm]
-        for i, p in plan:
-            sizes = [p.sent(s, e, "out") for s in range(len(ranks.llm))]
-            for s, piece in enumerate(rows[i].split(sizes)):
-                chunks[s].append(piece)
-        for s, r in enumerate(ranks.llm):
-            in_splits[r] = sum(c.shape[0] for c in chunks[s])
-        send = torch.cat([c for per_rank in chunks for c in per_rank])
-    else:
-        # A leaf that needs a gradient, so that this rank's backward joins the exchange.
-        send = torch.zeros((0, width), dtype=dtype, device=device, requires_grad=grad)
-        s = ranks.llm.index(me)
-        for e, r in enumerate(ranks.encoders):
-            out_splits[r] = sum(p.sent(s, e, "out") for _, p in plan)
-    back = all_to_all_v(send, out_splits, in_splits, ranks.group)
-    if ranks.on_encoders:
-        return back, {}
+    out_splits = [0] * size
+    # A leaf that needs a gradient, so that this rank's backward joins the exchange.
+    send = torch.zeros((0, width), dtype=dtype, device=device, requires_grad=grad)
+    s = ranks.llm.index(me)
+    for e, r in enumerate(ranks.encoders):
+        out_splits[r] = sum(p.sent(s, e, "out") for _, p in plan)
+    back = all_to_all_v(send, out_splits, [0] * size, ranks.group)
     # arrival order: by encoder rank, then pass, then item; put each pass in item order
     starts: dict[tuple[int, int], int] = {}
     at = 0
@@ -217,26 +272,38 @@ def _rows_back(ranks: RankSets, plan: list[tuple[int, _Pass]], rows: dict[int, t
     return back, out
 
 
-def _exchange_rows(ranks: RankSets, plan: list[_Pass | None], rows: dict[int, torch.Tensor],
-                   width: int, dtype: torch.dtype, device: torch.device
-                   ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
-    """Step 3: the trainable passes' rows through autograd, the frozen ones' without. Returns
-    the trainable exchange's output (None without one) and the LLM rank's rows per pass."""
+def _receive_rows(ranks: RankSets, plan: list[_Pass | None], width: int, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+    """Step 3 on an LLM rank: the trainable passes' rows through autograd, then the frozen
+    ones' without. Returns the trainable exchange's output (None without one) and the rows
+    per pass."""
     live = [(i, p) for i, p in enumerate(plan) if p is not None]
     trainable = [(i, p) for i, p in live if p.trainable]
     frozen = [(i, p) for i, p in live if not p.trainable]
     back, out = None, {}
     if trainable:
-        back, got = _rows_back(ranks, trainable, rows, width, dtype, device, grad=True)
+        back, got = _rows_in(ranks, trainable, width, dtype, device, grad=True)
         out.update(got)
     if frozen:
         with torch.no_grad():  # frozen encoders: no gradient travels back
-            _, got = _rows_back(ranks, frozen, rows, width, dtype, device, grad=False)
+            _, got = _rows_in(ranks, frozen, width, dtype, device, grad=False)
         out.update(got)
     return back, out
 
 
 # ----------------------------------------------------------------- LLM ranks
+@dataclass
+class _Sent:
+    """An LLM rank's micro-batch between :meth:`EncoderClient.send` and ``receive``."""
+
+    passes: list[str]  # the encoder of each pass, in the model's pass order
+    plan: list[_Pass | None]
+    width: int
+    dtype: torch.dtype
+    device: torch.device
+    flying: list[PendingRows]  # its media's all-to-alls
+
+
 class RemoteEncoder(OmniEncoder):
     """Stands in for an encoder on the LLM ranks: no parameters; ``forward`` returns the rows
     that :meth:`EncoderClient.exchange` brought for the next pass of this encoder."""
@@ -286,6 +353,7 @@ class EncoderClient:
         encoders = cast(nn.ModuleDict, model.encoders)
         self.specs = {name: cast(OmniEncoder, enc) for name, enc in encoders.items()}
         self._pending: dict[str, deque[torch.Tensor]] = {}
+        self._sent: deque[_Sent] = deque()  # sent, rows not yet received (oldest first)
         self.last_trainable_exchange = False  # whether the last exchange has a backward
 
     def install(self) -> list[str]:
@@ -294,12 +362,10 @@ class EncoderClient:
             self.model.encoders[name] = RemoteEncoder(name, spec, self)
         return list(self.specs)
 
-    def exchange(self, batch: dict[str, torch.Tensor], absent: Collection[str] = ()) -> None:
-        """Steps 1-3 for one micro-batch: call on every LLM rank, before the model's forward
-        on ``batch`` with the same ``absent``, while the encoder ranks run ``step``."""
-        if any(self._pending.values()):
-            raise RuntimeError("EncoderClient.exchange: the last micro-batch's embeddings were "
-                               "not all used; run the model's forward after each exchange")
+    def send(self, batch: dict[str, torch.Tensor], absent: Collection[str] = ()) -> None:
+        """Steps 1-2 for one micro-batch: its metadata and media out to the encoder ranks
+        (while they run ``EncoderServer.receive``). Its rows come with a later
+        :meth:`receive` (after the rows of the micro-batches sent before it)."""
         passes = self.model.encoder_passes(absent)
         local = [pass_media(batch, self.specs[name], mods) for name, mods in passes]
         items = [_describe(self.specs[name], *got) if got is not None else None
@@ -311,16 +377,44 @@ class EncoderClient:
                 "dtype": str(dtype).removeprefix("torch.")}
         dist.all_gather_object(meta, mine, group=self.ranks.group)
         plan = _plan(meta, self.ranks)
-        for p, got in zip(plan, local):
-            if p is not None:
-                _send_inputs(self.ranks, p, got[1] if got is not None else None, device)
-        back, rows = _exchange_rows(self.ranks, plan, {}, width, dtype, device)
+        # in flight until receive(): the media travel while this rank computes
+        flying = [rows for p, got in zip(plan, local) if p is not None for rows in _send_inputs(
+            self.ranks, p, got[1] if got is not None else None, device).values()]
+        self._sent.append(_Sent([name for name, _ in passes], plan, width, dtype, device,
+                                flying))
+
+    def receive(self) -> None:
+        """Step 3 for the oldest micro-batch sent: its rows, for the stubs of the model's next
+        forward (while the encoder ranks run ``EncoderServer.send_rows``)."""
+        if any(self._pending.values()):
+            raise RuntimeError("EncoderClient.receive: the last micro-batch's embeddings were "
+                               "not all used; run the model's forward after each exchange")
+        if not self._sent:
+            raise RuntimeError("EncoderClient.receive: no micro-batch was sent")
+        sent = self._sent.popleft()
+        for rows_out in sent.flying:
+            rows_out.wait()
+        back, rows = _receive_rows(self.ranks, sent.plan, sent.width, sent.dtype, sent.device)
         self.last_trainable_exchange = back is not None
         self._pending = {name: deque() for name in self.specs}
-        for i, (name, _) in enumerate(passes):
+        for i, name in enumerate(sent.passes):
             # a pass no rank has media for: zero rows, outside any graph
-            self._pending[name].append(rows.get(i, torch.zeros((0, width), dtype=dtype,
-                                                               device=device)))
+            self._pending[name].append(rows.get(i, torch.zeros(
+                (0, sent.width), dtype=sent.dtype, device=sent.device)))
+
+    def exchange(self, batch: dict[str, torch.Tensor], absent: Collection[str] = ()) -> None:
+        """Steps 1-3 for one micro-batch (:meth:`send`, then :meth:`receive`): call on every
+        LLM rank, before the model's forward on ``batch`` with the same ``absent``, while the
+        encoder ranks run ``EncoderServer.step``."""
+        self.send(batch, absent)
+        self.receive()
+
+    def stop(self) -> None:
+        """Tell the encoder ranks that no micro-batch follows (the end of a validation, which
+        they serve with ``EncoderServer.serve_forward``): the metadata collective of step 1
+        with a stop mark instead of passes."""
+        meta: list[Any] = [None] * self.ranks.group.size()
+        dist.all_gather_object(meta, {"stop": True}, group=self.ranks.group)
 
     def take(self, name: str) -> torch.Tensor:
         """The rows of ``name``'s next pass (this rank's items in its order; zero rows when it
@@ -348,9 +442,27 @@ def encoder_client(model: nn.Module) -> EncoderClient | None:
 
 
 # ----------------------------------------------------------------- encoder ranks
+@dataclass
+class _Received:
+    """An encoder rank's micro-batch between steps 2 and 3: the plan, the media that arrived
+    per pass (by pass index) and the rows' width and dtype; then the rows per pass."""
+
+    plan: list[_Pass | None]
+    media: dict[int, dict[str, PendingRows]]  # arriving (encode waits)
+    width: int
+    dtype: torch.dtype
+    rows: dict[int, torch.Tensor] | None = None
+
+
 class EncoderServer:
     """The encoder ranks' side: encodes what the LLM ranks send and runs the encoders'
-    backward on the gradients they send back (see the module docstring)."""
+    backward on the gradients they send back (see the module docstring).
+
+    Each micro-batch goes through :meth:`receive` (steps 1-2), :meth:`encode`,
+    :meth:`send_rows` (step 3), :meth:`receive_grads` and :meth:`backward_encoders`, each
+    taking the oldest micro-batch at its stage, so that a schedule may interleave
+    micro-batches (``encoder_schedule``); :meth:`step` and :meth:`backward` run one
+    micro-batch synchronously."""
 
     def __init__(self, ranks: RankSets, encoders: Mapping[str, nn.Module],
                  device: torch.device | None = None,
@@ -364,34 +476,53 @@ class EncoderServer:
         self.run = run or (lambda name, media, modality: self.encoders[name](media, modality))
         first = next((p for e in encoders.values() for p in e.parameters()), None)
         self.device = device or (first.device if first is not None else torch.device("cpu"))
-        self._back: torch.Tensor | None = None
-        #: items and embedding rows this rank encoded in the last step
+        self._received: deque[_Received] = deque()  # received, not yet encoded
+        self._encoded: deque[_Received] = deque()  # encoded, rows not yet sent
+        self._sent: deque[_Kept | None] = deque()  # rows sent, gradients not yet received
+        self._grads: deque[tuple[_Kept, torch.Tensor] | None] = deque()  # backward to run
+        #: items and embedding rows this rank encoded in the last micro-batch
         self.last_items = self.last_rows = 0
+        #: "encode <k>" and "gradients <k>" in the order they ran, k counting micro-batches
+        #: from the last clear (the schedule's trace; the trainer clears it each step)
+        self.events: list[str] = []
 
     def trainable(self) -> dict[str, bool]:
         """Whether each encoder has a parameter that needs a gradient."""
         return {n: any(p.requires_grad for p in e.parameters()) for n, e in self.encoders.items()}
 
-    def step(self) -> None:
-        """Steps 1-3 for one micro-batch: call on every encoder rank while the LLM ranks call
-        ``EncoderClient.exchange``; then :meth:`backward` after the LLM ranks' forward."""
-        if self._back is not None:
-            raise RuntimeError("EncoderServer.step: the last step's backward has not run")
+    @property
+    def idle(self) -> bool:
+        """Whether no micro-batch is between :meth:`receive` and :meth:`backward_encoders`."""
+        return not (self._received or self._encoded or self._sent or self._grads)
+
+    def receive(self) -> bool:
+        """Steps 1-2 for the next micro-batch (while the LLM ranks run
+        ``EncoderClient.send``); False, receiving nothing, when they ran ``stop`` instead."""
         meta: list[Any] = [None] * self.ranks.group.size()
         dist.all_gather_object(meta, {"trainable": self.trainable()}, group=self.ranks.group)
-        plan = _plan(meta, self.ranks)
-        # the rows travel in the LLM's embedding width and dtype, as the LLM ranks announced
         llm = meta[self.ranks.llm[0]]
-        width, dtype = llm["width"], getattr(torch, llm["dtype"])
+        if llm.get("stop"):  # every LLM rank stops together (EncoderClient.stop)
+            return False
+        plan = _plan(meta, self.ranks)
+        media = {i: _send_inputs(self.ranks, p, None, self.device)
+                 for i, p in enumerate(plan) if p is not None}
+        # the rows travel in the LLM's embedding width and dtype, as the LLM ranks announced
+        self._received.append(_Received(plan, media, llm["width"], getattr(torch, llm["dtype"])))
+        return True
+
+    def encode(self) -> None:
+        """Encode each pass of the oldest micro-batch received, in one call per pass (its
+        graph kept until :meth:`backward_encoders`)."""
+        got = self._received.popleft()
         e = self.ranks.encoders.index(self.ranks.rank)
-        rows, self.last_items, self.last_rows = {}, 0, 0
-        for i, p in enumerate(plan):
+        got.rows, self.last_items, self.last_rows = {}, 0, 0
+        for i, p in enumerate(got.plan):
             if p is None:
                 continue
-            media = _send_inputs(self.ranks, p, None, self.device)
             encoder = cast(OmniEncoder, self.encoders[p.encoder])
             expected = sum(p.sent(s, e, "out") for s in range(len(self.ranks.llm)))
             count = sum(d == e for dest in p.dest for d in dest)
+            media = {k: rows.wait() for k, rows in got.media[i].items()}
             if count:
                 out = self.run(p.encoder, media, p.modality)
             else:
@@ -402,17 +533,69 @@ class EncoderServer:
             if out.shape[0] != expected:
                 raise ValueError(f"non-colocated {p.encoder}: the encoder returned "
                                  f"{out.shape[0]} rows for items announced as {expected}")
-            rows[i] = out.to(dtype)
+            got.rows[i] = out.to(got.dtype)
             self.last_items += count
             self.last_rows += expected
-        self._back, _ = _exchange_rows(self.ranks, plan, rows, width, dtype, self.device)
+        got.media = {}  # the inputs are no longer needed
+        self.events.append(f"encode {sum(x.startswith('encode') for x in self.events)}")
+        self._encoded.append(got)
+
+    def send_rows(self) -> None:
+        """Step 3 for the oldest micro-batch encoded (while the LLM ranks run
+        ``EncoderClient.receive``). Under ``no_grad`` (validation) nothing is kept for a
+        backward."""
+        got = self._encoded.popleft()
+        assert got.rows is not None  # encode() ran
+        kept = _send_rows(self.ranks, got.plan, got.rows)
+        if torch.is_grad_enabled():
+            self._sent.append(kept)
+
+    def receive_grads(self) -> None:
+        """The oldest sent micro-batch's rows' gradients from the LLM ranks (the all-to-all
+        their ``loss.backward()`` issues); nothing travels when every encoder is frozen."""
+        kept = self._sent.popleft()
+        self.events.append(f"gradients {sum(x.startswith('gradients') for x in self.events)}")
+        self._grads.append(None if kept is None else
+                           (kept, kept.receive_grads(self.ranks.group)))
+
+    def backward_encoders(self) -> None:
+        """The encoders' backward of the oldest micro-batch whose gradients arrived
+        (accumulated into their parameters' gradients)."""
+        got = self._grads.popleft()
+        if got is not None:
+            kept, grad = got
+            torch.autograd.backward(kept.rows, grad)
+
+    def step(self) -> None:
+        """Steps 1-3 for one micro-batch: call on every encoder rank while the LLM ranks call
+        ``EncoderClient.exchange``; then :meth:`backward` after the LLM ranks' forward."""
+        if not self.idle:
+            raise RuntimeError("EncoderServer.step: the last step's backward has not run")
+        if not self.receive():
+            raise RuntimeError("EncoderServer.step: the LLM ranks stopped instead of sending")
+        self.encode()
+        self.send_rows()
 
     def backward(self) -> None:
         """The encoders' backward: receives the rows' gradients from the LLM ranks (while
-        they run ``loss.backward()``). Nothing travels when every encoder is frozen."""
-        back, self._back = self._back, None
-        if back is not None:
-            torch.autograd.backward(back, torch.zeros_like(back))
+        they run ``loss.backward()``), then backward. Nothing travels when every encoder is
+        frozen."""
+        self.receive_grads()
+        self.backward_encoders()
+
+    @torch.no_grad()
+    def serve_forward(self) -> int:
+        """Encode micro-batches without backward (validation, the encoders in eval mode as
+        the caller sets them) until the LLM ranks run ``EncoderClient.stop``; returns how
+        many came."""
+        if not self.idle:
+            raise RuntimeError("EncoderServer.serve_forward: a training step is not finished")
+        served = 0
+        while self.receive():
+            self.encode()
+            self.send_rows()
+            served += 1
+        return served
 
 
 # ----------------------------------------------------------------- both rank sets, per step

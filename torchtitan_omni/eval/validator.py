@@ -15,6 +15,12 @@ TorchTitan's trainer calls ``validator.validate(model_parts, step)`` after each 
   ``validation/loss`` (weighted like training), ``validation/loss/<name>`` and
   ``validation/mix/<mix>`` (the text loss of the targets in documents of that mix, see
   ``torchtitan_omni.eval.mix``) to the console and TensorBoard.
+
+With non-colocated encoders the LLM ranks run this validator, exchanging each batch's media
+with the encoder ranks before its forward (``EncoderClient.exchange``, here under
+``no_grad``) and telling them when the batches are through (``EncoderClient.stop``); the
+encoder ranks serve that many forwards and log the LLM ranks' metrics
+(``torchtitan_omni.encoder_ranks.EncoderRanksValidator``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from torchtitan_omni.components.inputs import model_inputs
 from torchtitan_omni.errors import ConfigError
 from torchtitan_omni.data.default_dataset import DEFAULT_NAME
 from torchtitan_omni.data.loader import build_omni_dataloader, resolved_loader_options
+from torchtitan_omni.distributed.noncolocated import encoder_client, share_from_llm
 from torchtitan_omni.distributed.sequence import shard_sequence
 from torchtitan_omni.distributed.utils import all_reduce
 from torchtitan_omni.eval.mix import document_mix, mix_name
@@ -118,7 +125,7 @@ class OmniValidator(BaseValidator):
 
     def should_validate(self, step: int) -> bool:
         """Exactly every ``validation.freq`` steps (TorchTitan's default also adds step 1)."""
-        return step % self.job_config.validation.freq == 0
+        return validates_at(self.job_config, step)
 
     def _padding_batch(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """One row of padding without targets: the forward of a rank that is through the split
@@ -145,7 +152,10 @@ class OmniValidator(BaseValidator):
                 m.train()
         elapsed = time.perf_counter() - start
         metrics[f"{PREFIX}/time(s)"] = elapsed
-        self._log(step, metrics)
+        client = encoder_client(model_parts[0])
+        if client is not None:  # the encoder ranks log them too (EncoderRanksValidator)
+            share_from_llm(metrics, client.ranks)
+        log_validation(self.metrics_processor, step, metrics)
         # validation time is not training time: keep it out of the next throughput figure
         self.metrics_processor.time_last_log += elapsed
         self.last_metrics = metrics
@@ -163,6 +173,7 @@ class OmniValidator(BaseValidator):
         aux_sums: dict[str, float] = {}
         real_batches = forwards = 0
 
+        client = encoder_client(model)  # non-colocated encoders: the LLM ranks' side
         self.loader.load_state_dict(self._start)
         batches = iter(self.loader)
         while steps == -1 or forwards < steps:
@@ -188,6 +199,8 @@ class OmniValidator(BaseValidator):
             absent = frozenset(m for m, f in zip(modalities, flags) if f == 0)
             groups = [g for g in range(n_mix) if batch_mix[g] > 0]
             tokens, meta, labels, media = model_inputs(batch, labels, self.device)
+            if client is not None:
+                client.exchange(media, absent)
             with self.validation_context(), self.maybe_enable_amp:
                 out = model(tokens, meta, labels, absent=absent, label_groups=mix.to(self.device),
                             groups=groups, **media)
@@ -204,6 +217,8 @@ class OmniValidator(BaseValidator):
             for name, value in out.aux_losses.items():
                 aux_sums[name] += float(value)
 
+        if client is not None:
+            client.stop()  # as many forwards on the encoder ranks as here
         aux_names = sorted(aux_sums)
         local_vec = torch.cat([sums, mix_sums, torch.tensor([aux_sums[n] for n in aux_names],
                                                             dtype=torch.float64),
@@ -236,20 +251,26 @@ class OmniValidator(BaseValidator):
         weight = getattr(self.loss_fn, "weight", None)
         return float(weight(name)) if callable(weight) else 1.0
 
-    def _log(self, step: int, metrics: dict[str, float]) -> None:
-        self.metrics_processor.logger.log(metrics, step)
-        losses = "  ".join(f"{k.split('/', 2)[2]}: {v:.5f}" for k, v in metrics.items()
-                           if k.startswith(f"{PREFIX}/loss/"))
-        mixes = "  ".join(f"{k.split('/', 2)[2]}: {v:.5f}" for k, v in metrics.items()
-                          if k.startswith(f"{PREFIX}/mix/"))
-        if f"{PREFIX}/loss" not in metrics:
-            logger.warning(f"validate step: {step:2}  the held-out split gave no targets")
-            return
-        logger.info(
-            f"validate step: {step:2}  loss: {metrics[f'{PREFIX}/loss']:8.5f} ({losses})  "
-            f"by mix: ({mixes})  batches: {metrics[f'{PREFIX}/batches']}  "
-            f"time: {metrics[f'{PREFIX}/time(s)']:.1f}s"
-        )
+def validates_at(job_config, step: int) -> bool:
+    """Whether a validation follows ``step``: exactly every ``validation.freq`` steps."""
+    return step % job_config.validation.freq == 0
+
+
+def log_validation(metrics_processor, step: int, metrics: dict[str, float]) -> None:
+    """One validation's ``metrics`` to TensorBoard/W&B and the console line."""
+    metrics_processor.logger.log(metrics, step)
+    losses = "  ".join(f"{k.split('/', 2)[2]}: {v:.5f}" for k, v in metrics.items()
+                       if k.startswith(f"{PREFIX}/loss/"))
+    mixes = "  ".join(f"{k.split('/', 2)[2]}: {v:.5f}" for k, v in metrics.items()
+                      if k.startswith(f"{PREFIX}/mix/"))
+    if f"{PREFIX}/loss" not in metrics:
+        logger.warning(f"validate step: {step:2}  the held-out split gave no targets")
+        return
+    logger.info(
+        f"validate step: {step:2}  loss: {metrics[f'{PREFIX}/loss']:8.5f} ({losses})  "
+        f"by mix: ({mixes})  batches: {metrics[f'{PREFIX}/batches']}  "
+        f"time: {metrics[f'{PREFIX}/time(s)']:.1f}s"
+    )
 
 
 def build_omni_validator(
