@@ -25,14 +25,19 @@ class LossRecordingTrainer(OmniTrainer):
                 f.write(json.dumps({"step": self.step, **self.last_losses}) + "\n")
 
 
-def main() -> None:
+def run(trainer_cls: type[OmniTrainer]) -> None:
+    """Train with ``trainer_cls`` on the launcher's arguments, as ``torchtitan_omni.train``."""
     init_logger()
-    trainer = LossRecordingTrainer(OmniConfigManager().parse_args())
+    trainer = trainer_cls(OmniConfigManager().parse_args())
     try:
         trainer.train()
     finally:
         trainer.close()
         torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    run(LossRecordingTrainer)
 
 
 if __name__ == "__main__":

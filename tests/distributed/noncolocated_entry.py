@@ -13,9 +13,7 @@ import os
 import torch
 
 import torchtitan_omni  # noqa: F401  (device selection first)
-from torchtitan.tools.logging import init_logger
-
-from torchtitan_omni.config.manager import OmniConfigManager
+from tests.checkpoint.train_entry import run
 from torchtitan_omni.train import OmniTrainer
 
 
@@ -60,13 +58,7 @@ class StepRecordingTrainer(OmniTrainer):
 
 
 def main() -> None:
-    init_logger()
-    trainer = StepRecordingTrainer(OmniConfigManager().parse_args())
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-        torch.distributed.destroy_process_group()
+    run(StepRecordingTrainer)
 
 
 if __name__ == "__main__":

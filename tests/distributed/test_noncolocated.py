@@ -99,6 +99,37 @@ def _llm_step(model, client, batch, labels, group):
     return {n: float(v) for n, v in zip(names, summed)}, count.calls
 
 
+def _setup(world, spec, encoder_ranks, frozen, n):
+    """Both rank sets, their groups, ``n`` batches per LLM rank, the model to run and the
+    reference's losses and gradients over every batch, the encoders in ``frozen`` frozen."""
+    import torch.distributed as dist
+
+    from tests.distributed import common as C
+    from torchtitan_omni.distributed.noncolocated import RankSets
+
+    llm_ranks = tuple(r for r in range(world) if r not in encoder_ranks)
+    ranks = RankSets(tuple(encoder_ranks), llm_ranks, dist.group.WORLD)
+    groups = {"llm": dist.new_group(list(llm_ranks)), "enc": dist.new_group(list(encoder_ranks))}
+    batches = _batches(spec, n * len(llm_ranks))
+    freeze = [f"encoders.{name}" for name in frozen]
+    model, ref = C.reference_model(spec), C.reference_model(spec)
+    model.freeze(freeze)
+    ref.freeze(freeze)
+    ref_losses = C.reference_step(ref, batches)
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    return ranks, groups, batches, model, ref_losses, ref_grads
+
+
+def _encoder_grads(model, group):
+    """The encoders' gradients summed over the encoder ranks (data parallel among them)."""
+    import torch.distributed as dist
+
+    for p in model.encoders.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+    return {f"encoders.{n}": p.grad for n, p in model.encoders.named_parameters()}
+
+
 def _run(rank, world, spec, encoder_ranks, frozen):
     """One step of both rank sets with the encoders named in ``frozen`` frozen."""
     import torch.distributed as dist
@@ -106,20 +137,12 @@ def _run(rank, world, spec, encoder_ranks, frozen):
     from tests.distributed import common as C
     from torchtitan_omni.distributed.noncolocated import (
         EncoderServer,
-        RankSets,
         install_remote_encoders,
     )
 
-    llm_ranks = tuple(r for r in range(world) if r not in encoder_ranks)
-    ranks = RankSets(tuple(encoder_ranks), llm_ranks, dist.group.WORLD)
-    groups = {"llm": dist.new_group(list(llm_ranks)), "enc": dist.new_group(list(encoder_ranks))}
-    batches = _batches(spec, len(llm_ranks))
-    freeze = [f"encoders.{n}" for n in frozen]
-    model, ref = C.reference_model(spec), C.reference_model(spec)
-    model.freeze(freeze)
-    ref.freeze(freeze)
-    ref_losses = C.reference_step(ref, batches)
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ranks, groups, batches, model, ref_losses, ref_grads = _setup(world, spec, encoder_ranks,
+                                                                  frozen, 1)
+    llm_ranks = ranks.llm
     out = {"frozen": frozen}
     if ranks.on_encoders:
         server = EncoderServer(ranks, model.encoders)
@@ -127,10 +150,7 @@ def _run(rank, world, spec, encoder_ranks, frozen):
         count = _Count()
         with mock.patch.object(dist, "all_to_all_single", count):
             server.backward()
-        for p in model.encoders.parameters():  # encoder ranks as data parallel
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=groups["enc"])
-        grads = {f"encoders.{n}": p.grad for n, p in model.encoders.named_parameters()}
+        grads = _encoder_grads(model, groups["enc"])
         out.update(role="encoders", items=server.last_items, backward_calls=count.calls)
     else:
         client = install_remote_encoders(model, ranks)
@@ -180,29 +200,18 @@ def _pipelined(rank, world, spec, encoder_ranks, frozen, n=2):
     )
     from torchtitan_omni.distributed.noncolocated import (
         EncoderServer,
-        RankSets,
         install_remote_encoders,
     )
     from torchtitan_omni.protocols import batch as B
 
-    llm_ranks = tuple(r for r in range(world) if r not in encoder_ranks)
-    ranks = RankSets(tuple(encoder_ranks), llm_ranks, dist.group.WORLD)
-    groups = {"llm": dist.new_group(list(llm_ranks)), "enc": dist.new_group(list(encoder_ranks))}
-    batches = _batches(spec, n * len(llm_ranks))
-    freeze = [f"encoders.{name}" for name in frozen]
-    model, ref = C.reference_model(spec), C.reference_model(spec)
-    model.freeze(freeze)
-    ref.freeze(freeze)
-    ref_losses = C.reference_step(ref, batches)
-    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    ranks, groups, batches, model, ref_losses, ref_grads = _setup(world, spec, encoder_ranks,
+                                                                  frozen, n)
+    llm_ranks = ranks.llm
     out = {"frozen": frozen}
     if ranks.on_encoders:
         server = EncoderServer(ranks, model.encoders)
         serve_micro_batches(server, n, "pipelined")
-        for p in model.encoders.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=groups["enc"])
-        grads = {f"encoders.{k}": p.grad for k, p in model.encoders.named_parameters()}
+        grads = _encoder_grads(model, groups["enc"])
         out.update(role="encoders", events=server.events, items=server.last_items)
     else:
         client = install_remote_encoders(model, ranks)
