@@ -275,14 +275,25 @@ def all_to_all_v(
 ) -> torch.Tensor:
     """Rows ``x[sum(in_splits[:j]) : ...+in_splits[j]]`` go to rank ``j``; ``out_splits[i]``
     rows arrive from rank ``i``, concatenated in rank order (dim 0)."""
+    _check_splits(x, out_splits, in_splits, group)
+    if _host_rows_on_device_group(x, group):
+        return all_to_all_v(x.to(local_device()), out_splits, in_splits, group).cpu()
+    return _AllToAllV.apply(x, list(out_splits), list(in_splits), group)
+
+
+def _host_rows_on_device_group(x: torch.Tensor, group: ProcessGroup) -> bool:
+    """Whether ``x`` is in host memory on a group whose backend moves device memory only
+    (NCCL): item sizes live on the host (``protocols.batch.is_item_sizes``)."""
+    return x.device.type == "cpu" and "gloo" not in str(dist.get_backend(group))
+
+
+def _check_splits(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                  group: ProcessGroup) -> None:
+    """Refuse splits that do not name every rank of ``group`` or do not cover ``x``'s rows."""
     if len(in_splits) != group.size() or len(out_splits) != group.size():
         raise ValueError(f"all_to_all_v needs {group.size()} splits, got {in_splits}, {out_splits}")
     if sum(in_splits) != x.shape[0]:
         raise ValueError(f"all_to_all_v: splits {in_splits} do not cover {x.shape[0]} rows")
-    if x.device.type == "cpu" and "gloo" not in str(dist.get_backend(group)):
-        # item sizes live on the host (protocols.batch.is_item_sizes); NCCL moves device memory
-        return all_to_all_v(x.to(local_device()), out_splits, in_splits, group).cpu()
-    return _AllToAllV.apply(x, list(out_splits), list(in_splits), group)
 
 
 class PendingRows:
@@ -306,11 +317,8 @@ def all_to_all_v_start(x: torch.Tensor, out_splits: list[int], in_splits: list[i
     """:func:`all_to_all_v` of data (no gradient) launched asynchronously, so that the caller
     computes while the rows travel; collectives issued after it on ``group`` keep their
     order."""
-    if len(in_splits) != group.size() or len(out_splits) != group.size():
-        raise ValueError(f"all_to_all_v needs {group.size()} splits, got {in_splits}, {out_splits}")
-    if sum(in_splits) != x.shape[0]:
-        raise ValueError(f"all_to_all_v: splits {in_splits} do not cover {x.shape[0]} rows")
-    if x.device.type == "cpu" and "gloo" not in str(dist.get_backend(group)):
+    _check_splits(x, out_splits, in_splits, group)
+    if _host_rows_on_device_group(x, group):
         with torch.no_grad():  # host rows under NCCL: through the device, synchronously
             return PendingRows(all_to_all_v(x, out_splits, in_splits, group), None, None)
     x = x.detach().contiguous()

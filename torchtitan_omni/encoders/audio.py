@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchtitan_omni.encoders.blocks import EncoderBlock, init_layer_norm, packed_meta, EncoderStack
+from torchtitan_omni.encoders.blocks import EncoderBlock, EncoderStack, init_layer_norm, packed_meta
 from torchtitan_omni.encoders.hf import Qwen2AudioAdapter, WhisperEncoderAdapter
 from torchtitan_omni.encoders.projector import MLPProjector
 from torchtitan_omni.modules import init

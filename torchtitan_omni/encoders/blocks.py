@@ -158,8 +158,8 @@ def init_layer_norm(norm: nn.LayerNorm) -> None:
 
 
 class EncoderStack(nn.ModuleList):
-    """An encoder's blocks, applied in order to a packed sequence ``[T, dim]`` (one module, so
-    that a plan may compile the whole stack as one region instead of block by block)."""
+    """An encoder's blocks, applied in order to a packed sequence ``[T, dim]`` (each block
+    stays its own FSDP, activation-checkpoint and compile unit)."""
 
     def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         for block in self:

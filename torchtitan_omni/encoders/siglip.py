@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from torchtitan_omni.encoders.blocks import EncoderBlock, init_layer_norm, packed_meta, EncoderStack
+from torchtitan_omni.encoders.blocks import EncoderBlock, EncoderStack, init_layer_norm, packed_meta
 from torchtitan_omni.encoders.hf import JanusVisionAdapter, SiglipVisionAdapter
 from torchtitan_omni.encoders.projector import MLPProjector
 from torchtitan_omni.modules import init
