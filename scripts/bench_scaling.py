@@ -79,6 +79,9 @@ class Point:
     compile: bool = False  # torch.compile (model, loss), TORCH_LOGS=recompiles
     env: dict[str, str] = field(default_factory=dict)
     build_args: tuple[str, ...] = ()  # extra arguments of its dataset's builder
+    # non-colocated encoders: these encoders on ranks 0..encoder_ranks-1, the LLM on the rest
+    encoder_ranks: int = 0
+    encoders: tuple[str, ...] = ("vision", "audio")
 
     def __post_init__(self) -> None:
         if self.stock:
@@ -129,8 +132,31 @@ class Point:
         if self.compile:
             env.setdefault("TORCH_LOGS", "recompiles")
         if not self.stock:
-            env["CONFIG_FILE"] = self.config
+            env["CONFIG_FILE"] = self.config_file()
+        if self.encoder_ranks:
+            env["LOG_RANK"] = str(self.encoder_ranks)  # the first LLM rank: its memory
         return env
+
+    def config_file(self) -> str:
+        """The TOML the point runs: its config, or for non-colocated encoders a copy of it
+        (under outputs/bench_configs/) with each encoder's ``ranks`` table added."""
+        if not self.encoder_ranks:
+            return self.config
+        ranks = list(range(self.encoder_ranks))
+        tables = "".join(f'\n[parallelism.parts."encoders.{name}"]\nranks = {ranks}\n'
+                         for name in self.encoders)
+        path = os.path.join("outputs", "bench_configs", f"{self.name}.toml")
+        os.makedirs(os.path.join(REPO, os.path.dirname(path)), exist_ok=True)
+        with open(os.path.join(REPO, self.config)) as f:
+            base = f.read()
+        with open(os.path.join(REPO, path), "w") as f:
+            f.write(base + tables)
+        return path
+
+    def gpu_share(self) -> float:
+        """The share of the GPUs whose log line the point reads: the LLM ranks' line counts
+        their tokens and FLOPs only, so a per-GPU figure over every GPU scales by it."""
+        return (self.ngpu - self.encoder_ranks) / self.ngpu
 
     def shell(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.environment().items())
@@ -237,21 +263,37 @@ def llama_4gpu() -> list[Point]:
 
 
 def moe_4gpu() -> list[Point]:
-    """Qwen3-MoE#Omni at the 30B-A3B layer shape cut to 12 layers (as the VeOmni anchor on 4x
-    H200), EP4 and EP2 x SP2, full activation checkpointing."""
+    """Qwen3-MoE#Omni at the 30B-A3B layer shape cut to 12 layers (the VeOmni anchor's cut on
+    4x H200), full activation checkpointing, the best dispatcher of ``moe_dispatch_2gpu``
+    (capacity 1.25, compiled): text-only, realistic media and 16K text (whether the step scales
+    with tokens) at EP4; the exact dispatcher eager (the code before issue 12) as the same
+    call's baseline (also at 16K and on the toy rows); realistic 32K at EP4; EP2 (experts over
+    2 ranks, FSDP over 4) at 8K.
+    The first point also profiles its last step (host syncs per layer, where the time goes)."""
     cut = _layers(12) + FULL
+    best = _cap(1.25)
+    profile = ("--profiling.enable_profiling", "--profiling.profile_freq", "10")
+
+    def point(name: str, seq: int, layout: tuple[str, ...], workload: str, **kw) -> Point:
+        return compiled(Point(f"moe_30B-A3B_12L_{name}", MOE, 4, seq, cut + layout,
+                              workload=workload, estimate_s=80, **kw), 70)
+
     return [
-        Point("moe_30B-A3B_12L_8k_ep4_realistic", MOE, 4, 8192, cut + _ep(4), workload="realistic",
-              estimate_s=90),
-        Point("moe_30B-A3B_12L_8k_ep4_toy", MOE, 4, 8192, cut + _ep(4), estimate_s=80),
-        Point("moe_30B-A3B_12L_16k_ep4_realistic", MOE, 4, 16384, cut + _ep(4), steps=8,
-              workload="realistic", estimate_s=90),
-        Point("moe_30B-A3B_12L_8k_ep2_sp2_realistic", MOE, 4, 8192, cut + _ep(2) + _sp(2),
-              workload="realistic", estimate_s=90),
-        Point("moe_30B-A3B_12L_32k_ep4_realistic", MOE, 4, 32768, cut + _ep(4), steps=6,
-              workload="realistic", estimate_s=100),
-        Point("moe_30B-A3B_12L_64k_ep2_sp2_realistic", MOE, 4, 65536, cut + _ep(2) + _sp(2),
-              steps=5, warmup=2, workload="realistic", estimate_s=110),
+        point("8k_ep4_text_cap1.25", 8192, _ep(4) + best + profile, "text"),
+        point("8k_ep4_realistic_cap1.25", 8192, _ep(4) + best, "realistic"),
+        point("16k_ep4_text_cap1.25", 16384, _ep(4) + best, "text", steps=8),
+        # the exact dispatcher eager: text at 8K and 16K, and the toy media rows
+        *[Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep4_{workload}_exact", MOE, 4, seq,
+                cut + _ep(4), workload=workload, estimate_s=80)
+          for seq, workload in ((8192, "text"), (16384, "text"), (8192, "toy"))],
+        # the toy rows with the encoders replicated (no per-block FSDP collectives) and not
+        # checkpointed: how much of the media path's fixed cost those take
+        Point("moe_30B-A3B_12L_8k_ep4_toy_exact_encoders_replicated_no_ac", MOE, 4, 8192,
+              cut + _ep(4) + ("--parallelism.encoder_fsdp_mesh", "none",
+                              "--omni.encoder_activation_checkpoint", "none"), estimate_s=80),
+        point("32k_ep4_realistic_cap1.25", 32768, _ep(4) + best, "realistic", steps=6, warmup=2),
+        point("8k_ep2_text_cap1.25", 8192, _ep(2) + best, "text"),
+        point("8k_ep4_toy_cap1.25", 8192, _ep(4) + best, "toy"),
     ]
 
 
@@ -295,6 +337,21 @@ def hetero(ngpu: int) -> list[Point]:
         layout = FULL + sp + ("--parallelism.encoder_sequence_parallel", mode)
         points.append(Point(f"omni_8B_32k_sp{ngpu}_realistic_{mode}", LLAMA8B, ngpu, 32768,
                             layout, steps=6, warmup=2, workload="realistic", estimate_s=120))
+    if ngpu >= 3:
+        # non-colocated: both encoders on rank 0, the LLM data parallel over the others (eager:
+        # the trainer refuses compile with non-colocated encoders), in lock step or pipelined;
+        # 2 micro-batches per LLM rank and step, so that the pipelined schedule has one to
+        # overlap (the homogeneous point beside them likewise)
+        accumulate = ("--training.global_batch_size", str(2 * (ngpu - 1)))
+        points.append(Point(f"omni_8B_8k_dp{ngpu}_realistic_accum2", LLAMA8B, ngpu, 8192,
+                            dp + ("--training.global_batch_size", str(2 * ngpu)),
+                            workload="realistic", steps=8, estimate_s=100))
+        for schedule in ("sync", "pipelined"):
+            points.append(Point(f"omni_8B_8k_noncolocated_1+{ngpu - 1}_{schedule}", LLAMA8B,
+                                ngpu, 8192, dp + accumulate +
+                                ("--parallelism.encoder_schedule", schedule),
+                                workload="realistic", encoder_ranks=1, steps=8,
+                                estimate_s=100))
     return points + [compiled(p) for p in points[:2]]
 
 
@@ -421,7 +478,7 @@ def titan_flops_per_token(point: Point) -> float:
         args = spec.model_args[point.config]
     else:
         os.environ["WORLD_SIZE"] = str(point.ngpu)  # what the config is validated against
-        cfg = parse_job_config(["--job.config_file", point.config, *point.args,
+        cfg = parse_job_config(["--job.config_file", point.config_file(), *point.args,
                                 "--training.seq_len", str(point.seq_len)])
         spec = get_train_spec(cfg.model.name)
         args = spec.model_args[cfg.model.flavor]
@@ -447,9 +504,10 @@ def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "")
     timed = [s for s in steps if s["step"] > point.warmup]
     if not timed:
         return row
-    tps = statistics.median(s["tps"] for s in timed)
-    mfu = statistics.median(s["mfu"] for s in timed)
-    tflops = statistics.median(s["tflops"] for s in timed)
+    share = point.gpu_share()
+    tps = share * statistics.median(s["tps"] for s in timed)
+    mfu = share * statistics.median(s["mfu"] for s in timed)
+    tflops = share * statistics.median(s["tflops"] for s in timed)
     row.update(tps=tps, mfu=mfu, mem_gib=max(s["mem_gib"] for s in steps),
                step_s=step_time(steps, point.warmup))
     if all("dropped_pct" in s for s in timed):

@@ -7,8 +7,10 @@
 #   bash scripts/gpu_benchmarks.sh attention omni_1gpu:no-compile omni_1gpu:compile-only
 #
 # Each argument is "attention" (scripts/bench_attention.py) or a bench_scaling.py plan, with
-# ":no-compile" or ":compile-only" to split a plan over calls. Tables and JSON go to $OUT (or
-# bench_out/), the training logs into one archive there; the tables are printed last.
+# ":no-compile" or ":compile-only" to split a plan over calls, or "=point,point" to run only
+# those points (in the plan's order), e.g. moe_4gpu=moe_30B-A3B_12L_8k_ep4_text_exact. Tables and
+# JSON go to $OUT (or bench_out/), the training logs into one archive there, the summaries of
+# profiled steps (scripts/summarize_trace.py) into traces.txt; the tables are printed last.
 set -uo pipefail
 out=${OUT:-bench_out}
 mkdir -p "$out"
@@ -25,6 +27,8 @@ logs=$(mktemp -d)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
 start=$SECONDS
 for arg in "$@"; do
+  only=""
+  case $arg in *=*) only=${arg#*=}; arg=${arg%%=*} ;; esac
   plan=${arg%%:*}
   mode=${arg#*:}
   [ "$mode" = "$arg" ] && mode=""
@@ -40,11 +44,15 @@ for arg in "$@"; do
   fi
   flags=()
   [ -n "$mode" ] && flags=("--$mode")
-  name=$plan${mode:+_$mode}
+  [ -n "$only" ] && flags+=("--only" "$only")
+  name=$plan${mode:+_$mode}${only:+_$(echo "$only" | cksum | cut -c1-6)}
   python3 scripts/bench_scaling.py --plan "$plan" "${flags[@]}" --out "$out/$name.md" \
     --logs "$logs/$name" --deadline "$left" > "$logs/$name.runner.log" 2>&1
 done
 tar -czf "$out/logs.tar.gz" -C "$logs" . 2>/dev/null
+for trace in outputs/bench_*/profile_traces/*/rank0_trace.json; do
+  [ -f "$trace" ] && python3 scripts/summarize_trace.py --top 15 "$trace" >> "$out/traces.txt"
+done
 for table in "$out"/*.md; do
   echo "== $table"
   grep -v '^- `' "$table" | head -40

@@ -1,7 +1,9 @@
 """Where the GPU time of a profiled step goes: a PyTorch profiler (Chrome) trace summarized.
 
 Prints the step's wall time, the GPU kernel time (and so how idle the GPU was), the kernel
-time by kind (matrix products, attention, communication, the rest) and the top kernels.
+time by kind (matrix products, attention, communication, the rest), the top kernels, the
+longest idle gaps and the host syncs (CUDA ``*Synchronize`` calls, by the host op that made
+them: a sync per MoE layer, say, shows as one op's count equal to the layer count).
 Traces come from TorchTitan's profiler, e.g. ``--profiling.enable_profiling
 --profiling.profile_freq 6`` writes ``<dump_folder>/profile_traces/iteration_6/rank0_trace.json``.
 
@@ -56,6 +58,7 @@ def summarize(path: str, top: int = 20) -> str:
     for name, dur in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {dur / 1e3:9.1f} ms  {name}")
     lines += idle_gaps(events, kernels, top)
+    lines += host_syncs(events, start, start + wall_us)
     return "\n".join(lines)
 
 
@@ -103,6 +106,24 @@ def idle_gaps(
         )
         names = " < ".join(dict.fromkeys(str(e["name"])[:60] for e in open_ops[:4]))
         out.append(f"  {gap / 1e3:9.1f} ms  {names or '(no host op)'}")
+    return out
+
+
+def host_syncs(events: list[dict], start: float, stop: float) -> list[str]:
+    """The CUDA synchronize calls the host made while the recorded kernels ran, counted by the
+    innermost torch op open around each (the one that waited: ``_local_scalar_dense`` for an
+    ``.item()``, ``aten::to`` / ``copy_`` for a device-to-host copy)."""
+    ops = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]
+             and start <= e["ts"] <= stop]
+    by_op: dict[str, int] = defaultdict(int)
+    for sync in syncs:
+        around = [e for e in ops if e["ts"] <= sync["ts"] <= e["ts"] + e["dur"]]
+        # the innermost op: the latest to open among those still open
+        caller = max(around, key=lambda e: e["ts"])["name"] if around else "(no torch op)"
+        by_op[f"{sync['name']} in {caller}"[:100]] += 1
+    out = [f"  host syncs in the GPU window: {len(syncs)}"]
+    out += [f"  {n:9d}x  {name}" for name, n in sorted(by_op.items(), key=lambda kv: -kv[1])]
     return out
 
 

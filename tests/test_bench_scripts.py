@@ -3,6 +3,8 @@ their ratios and the stock TorchTitan flavors they use."""
 
 import importlib
 import json
+import os
+import tomllib
 
 import pytest
 
@@ -61,6 +63,9 @@ def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
         {"name": "nvjet_sm90_tst_256x128", "cat": "kernel", "ts": 10500, "dur": 1000},  # overlaps
         {"name": "flash_fwd_kernel", "cat": "kernel", "ts": 21500, "dur": 500},
         {"name": "ncclDevKernel_AllGather_RING_LL", "cat": "kernel", "ts": 12000, "dur": 9000},
+        # the .item() waits in the gap; a later sync outside the kernels' window is not counted
+        {"name": "cudaStreamSynchronize", "cat": "cuda_runtime", "ts": 11500, "dur": 8000},
+        {"name": "cudaStreamSynchronize", "cat": "cuda_runtime", "ts": 30000, "dur": 10},
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
@@ -69,7 +74,9 @@ def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
     assert "GPU window 12.0 ms, compute kernels busy 2.0 ms (17%)" in text
     assert "communication kernels 9.0 ms" in text
     assert "gaps >= 2 ms: 10.0 ms (1 gaps)" in text
-    assert "10.0 ms  aten::_local_scalar_dense" in text
+    assert "10.0 ms  cudaStreamSynchronize < aten::_local_scalar_dense" in text
+    assert "host syncs in the GPU window: 1" in text
+    assert "1x  cudaStreamSynchronize in aten::_local_scalar_dense" in text
 
 
 def _omni_line(step: int, stamp: str, tps: int) -> str:
@@ -106,6 +113,30 @@ def test_step_time_and_recompiles_of_a_compiled_point():
     assert row["recompiles"] is None and "tps" not in row  # no step after warm-up
     row = bench.summarize(bench.compiled(eager), [], 10.0, 0, log)
     assert row["recompiles"] == 2 and row["compile"] and row["name"] == "p_compile"
+
+
+def test_non_colocated_point_runs_a_derived_config_and_counts_every_gpu(tmp_path):
+    """A point with encoders on their own ranks: its TOML is the config plus each encoder's
+    ranks table (parsed as the trainer parses it), the log read is the first LLM rank's, and
+    its per-GPU figures are over every GPU (the LLM ranks' line counts their own only)."""
+    bench = _script("bench_scaling")
+    point = next(p for p in bench.PLANS["hetero_4gpu"]
+                 if p.name == "omni_8B_8k_noncolocated_1+3_pipelined")
+    env = point.environment()
+    assert env["LOG_RANK"] == "1" and env["NGPU"] == "4"
+    path = os.path.join(bench.REPO, env["CONFIG_FILE"])
+    with open(path, "rb") as f:
+        cfg = tomllib.load(f)
+    assert cfg["parallelism"]["parts"] == {"encoders.vision": {"ranks": [0]},
+                                           "encoders.audio": {"ranks": [0]}}
+    assert cfg["model"]["flavor"] == "8B"  # the rest is the 8B config's
+    cmd = point.command()
+    assert cmd[cmd.index("--parallelism.encoder_schedule") + 1] == "pipelined"
+    assert cmd[cmd.index("--training.global_batch_size") + 1] == "6"  # 2 micro-batches x 3
+    lines = [_omni_line(i + 1, f"10:00:{10 + 3 * i:02d},000", 4000) for i in range(8)]
+    row = bench.summarize(point, bench.parse_steps("\n".join(lines)), 60.0, 0)
+    assert row["tps"] == 3000 and row["mfu"] == 15.0  # 3 of the 4 GPUs' line
+    assert bench.PLANS["hetero_4gpu"][0].gpu_share() == 1.0
 
 
 def _row(name, tps, ngpu=1, seq=8192, compile=False, stock=False, workload="realistic",

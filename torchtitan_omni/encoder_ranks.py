@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, cast
 
+import torch
 import torch.nn as nn
 
 from torchtitan.components.validate import BaseValidator
@@ -107,6 +108,19 @@ class NoBatches:
 
     def __iter__(self) -> Iterator[Any]:
         raise RuntimeError("encoder ranks read no data (non-colocated encoders)")
+
+
+def encode_as_trainer(trainer: Any, model: nn.Module
+                      ) -> Callable[[str, dict[str, torch.Tensor], str], torch.Tensor]:
+    """``EncoderServer``'s ``run`` on an encoder rank: ``model`` (``EncoderRanksModel``)
+    under the trainer's train context and autocast, as the LLM ranks' forward runs. An
+    encoder set of one rank has no FSDP and so no mixed-precision policy: without TorchTitan's
+    autocast it computed in float32 (measured 4.5x slower on 4x H200)."""
+    def encode(name: str, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
+        with trainer.train_context(), trainer.maybe_enable_amp:
+            return model(name, media, modality)
+
+    return encode
 
 
 def serve_encoders(trainer: Any, server: EncoderServer) -> None:

@@ -72,6 +72,7 @@ from torchtitan_omni.distributed.sequence import shard_sequence
 from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_, reduce_moe_counts
 from torchtitan_omni.encoder_ranks import (
     NoBatches,
+    encode_as_trainer,
     encoder_ranks_spec,
     llm_accumulation_steps,
     serve_encoders,
@@ -149,7 +150,7 @@ class OmniTrainer(Trainer):
         model = self.model_parts[0]
         if dims.on_encoders:
             self.encoder_server = EncoderServer(dims.rank_sets, model.encoders, self.device,
-                                                run=model)
+                                                run=encode_as_trainer(self, model))
             self.gradient_accumulation_steps = llm_accumulation_steps(
                 self.job_config, len(dims.rank_sets.llm))
             self.dataloader = NoBatches()  # after the checkpointer: no data state to keep
