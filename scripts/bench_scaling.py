@@ -288,6 +288,10 @@ def moe_4gpu() -> list[Point]:
                 cut + _ep(4), workload=workload, estimate_s=80)
           for seq, workload in ((8192, "text"), (16384, "text"), (8192, "toy"),
                                 (8192, "realistic"), (32768, "realistic"))],
+        # full AC keeping the expert exchanges' results (no all-to-all in the recompute)
+        Point("moe_30B-A3B_12L_8k_ep4_text_exact_keep_exchanges", MOE, 4, 8192,
+              cut + _ep(4) + ("--parallelism.expert_ac_keep_exchanges",), workload="text",
+              estimate_s=80),
         # the toy rows with the encoders replicated (no per-block FSDP collectives) and not
         # checkpointed: how much of the media path's fixed cost those take
         Point("moe_30B-A3B_12L_8k_ep4_toy_exact_encoders_replicated_no_ac", MOE, 4, 8192,

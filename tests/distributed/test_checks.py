@@ -103,6 +103,16 @@ def test_validate_job_config_layouts():
     assert "\n" not in str(e.value)
     moe.parallelism.expert_parallel_degree = 2
     validate_job_config(moe, world_size=2)
+    # keeping the expert exchanges through the recompute: refused where there is none
+    moe.parallelism.expert_ac_keep_exchanges = True
+    moe.activation_checkpoint.mode = "none"
+    with pytest.raises(ConfigError, match="expert_ac_keep_exchanges needs activation_"):
+        validate_job_config(moe, world_size=2)
+    moe.activation_checkpoint.mode = "full"
+    validate_job_config(moe, world_size=2)
+    moe.parallelism.expert_parallel_degree, moe.parallelism.expert_dispatch_chunks = 1, 1
+    with pytest.raises(ConfigError, match="expert_ac_keep_exchanges needs expert_parallel_"):
+        validate_job_config(moe, world_size=2)
     cfg.activation_checkpoint.mode = "memory_budget"
     with pytest.raises(ConfigError, match="memory_budget"):
         validate_job_config(cfg, world_size=1)

@@ -11,7 +11,12 @@ copies dropped; and the order of its backward: each chunk's reverse exchanges la
 and waited after, the experts' backward they overlap (eager, through the dispatcher's trace
 hook, also with the experts FSDP-sharded; compiled, by counting the exchanges in flight at
 each chunk's expert matmuls in the backward graph). And the trainer's reduction of the routing
-counts (loads over the EP group, drops over all ranks)."""
+counts (loads over the EP group, drops over all ranks). And activation checkpointing of two
+EP2 MoE blocks around their exchanges (``parallelism.expert_ac_keep_exchanges``; exact,
+capacity-padded, in 2 chunks, with the experts FSDP-sharded as the trainer shards them, and
+compiled in pieces with aot_eager): outputs and gradients equal those without AC, and the step
+runs as many all-to-alls as without AC (the recompute exchanges nothing), counted by a
+dispatch mode, where a whole-block checkpoint runs the forward's again."""
 
 from __future__ import annotations
 
@@ -252,8 +257,135 @@ def _compiled_backward_case(rank: int, world: int) -> list[str]:
     return kinds
 
 
+class _Block:
+    """Factory of a residual MoE block (``x + moe(x)``); module-level for the spawned ranks."""
+
+    @staticmethod
+    def make(moe):
+        import torch.nn as nn
+
+        class Block(nn.Module):
+            compile_fullgraph = False  # experts sharded over ep: compiled in pieces
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.norm = nn.LayerNorm(D)  # a piece checkpointed on its own
+                self.moe = moe
+
+            def forward(self, x):
+                return x + self.moe(self.norm(x))[0]
+
+        return Block()
+
+
+#: layers of the activation-checkpointing cases
+AC_LAYERS = 2
+
+
+def _ep_blocks(mesh, factor: float, chunks: int, fsdp: bool):
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    from torchtitan_omni.distributed.expert_parallel import make_dispatcher, shard_experts
+
+    blocks = []
+    for _ in range(AC_LAYERS):
+        moe = _layer()
+        shard_experts(moe.experts, mesh["ep"])
+        if fsdp:  # the experts' own FSDP unit inside the block, as the trainer has it
+            fully_shard(moe.experts, mesh=mesh["efsdp"], reshard_after_forward=True)
+        moe.dispatcher = make_dispatcher(E, K, mesh["ep"].get_group(), factor, TOKENS, chunks)
+        blocks.append(_Block.make(moe))
+    return nn.ModuleList(blocks)
+
+
+def _counting_mode():
+    """A dispatch mode counting all-to-alls (functional or in place)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        @classmethod
+        def ignore_compile_internals(cls):
+            return True  # let dynamo compile under it (the compiled case)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if "all_to_all" in name or "alltoall" in name:
+                self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
+def _ac_step(blocks, rank: int):
+    """One forward and backward of ``blocks`` on ``rank``'s inputs: (output, input grad,
+    all-to-alls)."""
+    x, grad = _inputs(rank)
+    mode = _counting_mode()
+    with mode:
+        h = x
+        for block in blocks:
+            h = block(h)
+        (h * grad).sum().backward()
+    return h.detach(), x.grad, mode.calls
+
+
+def _ac_case(rank: int, world: int, factor: float, chunks: int, fsdp: bool,
+             compiled: bool) -> dict:
+    """EP2 blocks checkpointed around their exchanges (checkpoint_units, as parallelize
+    applies it) against the same blocks without AC and checkpointed whole."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_omni.compat import compiled_graph_count
+    from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+    from torchtitan_omni.distributed.compile import compile_units
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
+    plain, ac, whole = (_ep_blocks(mesh, factor, chunks, fsdp) for _ in range(3))
+    for b in (ac, whole):
+        b.load_state_dict(plain.state_dict())
+    if compiled:
+        torch._dynamo.reset()
+        compile_units(list(ac), "aot_eager", graph_breaks=True)
+    assert checkpoint_units(list(ac), "full", keep_exchanges=True) == AC_LAYERS
+    assert checkpoint_units(list(whole), "full") == AC_LAYERS
+    out, x_grad, calls = _ac_step(plain, rank)
+    if compiled:  # compile first, count the second step
+        _ac_step(ac, rank)
+        ac.zero_grad()
+    ac_out, ac_x_grad, ac_calls = _ac_step(ac, rank)
+    graphs = compiled_graph_count() if compiled else 0
+    _, _, whole_calls = _ac_step(whole, rank)
+    errors = {"out": _error(ac_out, out), "x": _error(ac_x_grad, x_grad)}
+    full = (lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g)
+    for (name, p), q in zip(plain.named_parameters(), ac.parameters()):
+        errors[name] = _error(full(q.grad), full(p.grad))
+    return {"errors": errors, "calls": calls, "ac_calls": ac_calls,
+            "whole_calls": whole_calls, "graphs": graphs}
+
+
+#: name: (capacity factor, dispatch chunks, experts FSDP-sharded, compiled, all-to-alls per
+#: layer without AC) of the activation-checkpointing cases (EP2): exact 5 (counts, dispatch,
+#: combine; 2 backward), capacity 4, capacity in 2 chunks (C = 3: widths 2 + 1) 8
+AC_CASES = {
+    "ac_exact_fsdp": (0.0, 1, True, False, 5),
+    "ac_capacity": (1.0, 1, False, False, 4),
+    "ac_cap1.25_chunks2_fsdp": (1.25, 2, True, False, 8),
+    "ac_capacity_compiled": (1.0, 1, False, True, 4),
+}
+
+
 def _all_cases(rank, world):
     results = {"counts": _counts_case(rank, world)}
+    for name, (factor, chunks, fsdp, compiled, _) in AC_CASES.items():
+        try:
+            results[name] = _ac_case(rank, world, factor, chunks, fsdp, compiled)
+        except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
+            results[name] = {"error": traceback.format_exc()}
     for name, case in (("order", functools.partial(_backward_order_case, fsdp=False)),
                        ("order_fsdp", functools.partial(_backward_order_case, fsdp=True)),
                        ("compiled_order", _compiled_backward_case)):
@@ -351,3 +483,21 @@ def test_routing_counts_reduction(results):
         group = (1 + 2) if rank < 2 else (3 + 4)  # sum of (rank + 1) over the EP group
         assert res["counts"]["loads"] == (base[0] * group).tolist()
         assert res["counts"]["totals"] == (base.sum(-1) * (1 + 2 + 3 + 4)).tolist()
+
+
+@pytest.mark.parametrize("name", sorted(AC_CASES))
+def test_ac_around_the_expert_exchanges(results, name):
+    """Checkpointed around their exchanges, MoE blocks under EP2 give the outputs and
+    gradients of the blocks without AC, and the recompute communicates nothing: as many
+    all-to-alls per step as without AC (4 per layer for the capacity dispatcher, not 6), where
+    a whole-block checkpoint runs the forward's again."""
+    *_, compiled, per_layer = AC_CASES[name]
+    for rank, res in enumerate(results):
+        out = res[name]
+        assert "error" not in out, f"rank {rank}: {out.get('error')}"
+        bad = {k: v for k, v in out["errors"].items() if v > RTOL}
+        assert not bad, f"rank {rank}: {bad}"
+        assert out["calls"] == per_layer * AC_LAYERS, out
+        assert out["ac_calls"] == out["calls"], out
+        assert out["whole_calls"] > out["calls"], out  # the whole block's recompute exchanges
+        assert (out["graphs"] > 0) == compiled, out

@@ -77,6 +77,15 @@ class Parallelism:
     one exchange each way. Same drops, outputs and gradients as 1 (up
     to float summation order); no effect without expert parallel. See docs/parallelism.md."""
 
+    expert_ac_keep_exchanges: bool = False
+    """Expert parallel with activation checkpointing of the LLM blocks: checkpoint each MoE
+    block around its expert all-to-alls (its norms, attention and experts each on their own)
+    instead of whole, so that the recompute in the backward exchanges nothing: 4 all-to-alls
+    per MoE layer and step instead of 6, and no second host read of the exact dispatcher's
+    split sizes. Costs about 2 x tokens x top_k x dim activations per layer (0.5 GiB for
+    Qwen3-30B-A3B at 8K in bf16). Off by default until measured on GPUs. Refused without
+    expert parallel or without activation checkpointing. See docs/parallelism.md."""
+
 
 @dataclass
 class Model:

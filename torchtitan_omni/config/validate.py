@@ -120,6 +120,15 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             f"{cfg.parallelism.expert_parallel_degree}: without expert parallel there is no "
             "exchange to cut into chunks; set it to 1"
         )
+    if cfg.parallelism.expert_ac_keep_exchanges:
+        if cfg.parallelism.expert_parallel_degree < 2:
+            raise ConfigError(
+                "parallelism.expert_ac_keep_exchanges needs expert_parallel_degree > 1 (it "
+                "keeps the expert-parallel all-to-alls' results; without EP there are none)")
+        if cfg.activation_checkpoint.mode == "none":
+            raise ConfigError(
+                "parallelism.expert_ac_keep_exchanges needs activation_checkpoint.mode full or "
+                "selective (without a recompute there is no exchange to spare)")
     for entry in cfg.omni.loss_weights:
         name, eq, value = entry.partition("=")
         try:

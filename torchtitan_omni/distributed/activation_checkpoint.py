@@ -15,6 +15,20 @@ layout-invariant init and checkpoints, stay the same with and without AC, and FS
 (which live in ``__call__``) stay outside the checkpointed region, so the recomputation neither
 re-gathers parameters nor confuses per-op SAC (as PyTorch's composable ``checkpoint`` would:
 its hooks run inside FSDP's).
+
+With ``keep_exchanges`` (``parallelism.expert_ac_keep_exchanges``) a unit holding MoE layers
+under expert parallel (:func:`pieces_around_exchanges`) is not checkpointed whole but piece by
+piece around its all-to-alls: each child without such a layer (norms, attention) and each such
+layer's ``experts``. The dispatch and combine exchanges then run outside every checkpoint, once
+forward and once backward: 4 per layer and step instead of the 6 of a checkpointed block,
+whose recompute exchanges again (and, with the exact dispatcher, reads the split sizes on the
+host again). What autograd keeps in their place, per MoE layer: the experts' input (the rows
+received for this rank's experts) and the combined rows times their router weights, about
+``2 x tokens x top_k x dim`` activations (0.5 GiB for Qwen3-30B-A3B at 8K in bf16) against the
+block input a whole checkpoint keeps. (A selective checkpoint of the whole block that saves
+the exchanges' results does not work here: the experts' own FSDP unit runs its hooks inside
+the block, and they run other ops in the recompute than in the forward, which selective
+checkpointing refuses.)
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from torchtitan_omni.distributed.expert_parallel import expert_parallel_layers
 from torchtitan_omni.modules.wrapping import extend_class
 
 _SAVE_OPS = {
@@ -47,9 +62,23 @@ def _op_context():
     return create_selective_checkpoint_contexts(_op_policy)
 
 
+def pieces_around_exchanges(unit: nn.Module) -> list[nn.Module]:
+    """What to checkpoint for ``unit`` so that no expert-parallel exchange runs inside a
+    checkpoint: ``[unit]`` without MoE layers under expert parallel, else each child holding
+    none of them and, for each, its ``experts`` (see the module docstring)."""
+    layers = expert_parallel_layers(unit)
+    if not layers:
+        return [unit]
+    if any(layer is unit for layer in layers):
+        return [unit.get_submodule("experts")]
+    return [piece for child in unit.children() for piece in pieces_around_exchanges(child)]
+
+
 def checkpoint_units(units: list[nn.Module], mode: str, option: str = "1", *,
-                     preserve_rng_state: bool = True) -> int:
-    """Checkpoint ``units`` (in model order) by ``mode``; returns how many were wrapped."""
+                     preserve_rng_state: bool = True, keep_exchanges: bool = False) -> int:
+    """Checkpoint ``units`` (in model order) by ``mode``; returns how many were wrapped.
+    ``keep_exchanges``: units with MoE layers under expert parallel are checkpointed around
+    their exchanges (:func:`pieces_around_exchanges`), each counting as one unit wrapped."""
     if mode == "none" or not units:
         return 0
     kwargs = {"preserve_rng_state": preserve_rng_state, "use_reentrant": False}
@@ -73,7 +102,8 @@ def checkpoint_units(units: list[nn.Module], mode: str, option: str = "1", *,
     wrapped = 0
     for i, unit in enumerate(units):
         if (i + 1) % every == 0:
-            _checkpoint_forward(unit, kwargs)
+            for piece in pieces_around_exchanges(unit) if keep_exchanges else [unit]:
+                _checkpoint_forward(piece, kwargs)
             wrapped += 1
     return wrapped
 

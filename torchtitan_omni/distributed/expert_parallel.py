@@ -37,6 +37,7 @@ mesh (never the dense one): the ranks holding the same experts.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
@@ -194,6 +195,17 @@ def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> int:
         )
         experts.register_parameter(name, dist_p)
     return num_experts
+
+
+def expert_parallel_layers(module: nn.Module) -> list[nn.Module]:
+    """The MoE layers within ``module`` (itself included) whose dispatcher exchanges tokens
+    over an expert-parallel group of more than one rank."""
+    layers = []
+    for m in module.modules():
+        group = getattr(getattr(m, "dispatcher", None), "group", None)
+        if isinstance(group, dist.ProcessGroup) and group.size() > 1:
+            layers.append(m)
+    return layers
 
 
 def find_moe_layer(model: nn.Module, experts_name: str) -> nn.Module:

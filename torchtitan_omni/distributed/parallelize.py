@@ -237,8 +237,10 @@ def apply_activation_checkpointing(
     for part in plan.parts:
         units = [m for _, m in matching_modules(model, part.root, part.ac_units)]
         if is_llm_part(part):
-            n = checkpoint_units(units, ac.mode, str(ac.selective_ac_option),
-                                 preserve_rng_state=ac.preserve_rng_state)
+            n = checkpoint_units(
+                units, ac.mode, str(ac.selective_ac_option),
+                preserve_rng_state=ac.preserve_rng_state,
+                keep_exchanges=job_config.parallelism.expert_ac_keep_exchanges)
         else:
             mode = part_settings(job_config, part.root).activation_checkpoint
             n = (checkpoint_units(units, "selective", "op") if mode == "op"
