@@ -482,9 +482,17 @@ def titan_flops_per_token(point: Point) -> float:
         spec = get_train_spec("llama3")
         args = spec.model_args[point.config]
     else:
-        os.environ["WORLD_SIZE"] = str(point.ngpu)  # what the config is validated against
-        cfg = parse_job_config(["--job.config_file", point.config_file(), *point.args,
-                                "--training.seq_len", str(point.seq_len)])
+        # the config is validated against the point's world size; the caller's is restored
+        saved = os.environ.get("WORLD_SIZE")
+        os.environ["WORLD_SIZE"] = str(point.ngpu)
+        try:
+            cfg = parse_job_config(["--job.config_file", point.config_file(), *point.args,
+                                    "--training.seq_len", str(point.seq_len)])
+        finally:
+            if saved is None:
+                os.environ.pop("WORLD_SIZE")
+            else:
+                os.environ["WORLD_SIZE"] = saved
         spec = get_train_spec(cfg.model.name)
         args = spec.model_args[cfg.model.flavor]
         args.update_from_config(cfg)  # applies omni.llm_layers

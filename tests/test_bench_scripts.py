@@ -136,6 +136,7 @@ def test_non_colocated_point_runs_a_derived_config_and_counts_every_gpu(tmp_path
     lines = [_omni_line(i + 1, f"10:00:{10 + 3 * i:02d},000", 4000) for i in range(8)]
     row = bench.summarize(point, bench.parse_steps("\n".join(lines)), 60.0, 0)
     assert row["tps"] == 3000 and row["mfu"] == 15.0  # 3 of the 4 GPUs' line
+    assert "WORLD_SIZE" not in os.environ  # the TorchTitan-formula MFU's parse leaves none
     assert bench.PLANS["hetero_4gpu"][0].gpu_share() == 1.0
 
 
