@@ -72,7 +72,7 @@ from torchtitan_omni.distributed.sequence import shard_sequence
 from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_, reduce_moe_counts
 from torchtitan_omni.encoder_ranks import (
     NoBatches,
-    encode_as_trainer,
+    encode_under,
     encoder_ranks_spec,
     llm_accumulation_steps,
     serve_encoders,
@@ -149,8 +149,11 @@ class OmniTrainer(Trainer):
         self.rank_sets = dims.rank_sets
         model = self.model_parts[0]
         if dims.on_encoders:
+            # under the LLM ranks' forward contexts (read per pass: on CPU the autocast is
+            # replaced after TorchTitan's __init__)
+            run = encode_under(model, lambda: (self.train_context(), self.maybe_enable_amp))
             self.encoder_server = EncoderServer(dims.rank_sets, model.encoders, self.device,
-                                                run=encode_as_trainer(self, model))
+                                                run=run)
             self.gradient_accumulation_steps = llm_accumulation_steps(
                 self.job_config, len(dims.rank_sets.llm))
             self.dataloader = NoBatches()  # after the checkpointer: no data state to keep

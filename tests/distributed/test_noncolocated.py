@@ -302,13 +302,14 @@ def test_tiny_model_two_encoder_ranks_match_reference():
 
 
 def test_encoder_ranks_encode_under_the_trainers_autocast():
-    """An encoder set of one rank has no FSDP mixed-precision policy: the trainer's autocast
-    (TorchTitan's ``maybe_enable_amp`` when FSDP is off) must wrap its encoding, as it wraps
-    the LLM ranks' forward; without it the encoders computed in float32 (4.5x slower)."""
+    """An encoder set of one rank has no FSDP mixed-precision policy: the contexts of the LLM
+    ranks' forward (TorchTitan's ``maybe_enable_amp`` when FSDP is off, and the train or
+    validation context) must wrap its encoding, in training and in validation; without them
+    the encoders computed in float32 (4.5x slower)."""
     import contextlib
     from types import SimpleNamespace
 
-    from torchtitan_omni.encoder_ranks import encode_as_trainer
+    from torchtitan_omni.encoder_ranks import build_encoder_ranks_validator, encode_under
 
     class Encoders(torch.nn.Module):
         def __init__(self) -> None:
@@ -319,8 +320,16 @@ def test_encoder_ranks_encode_under_the_trainers_autocast():
             return self.proj(media["x"])
 
     entered = []
-    trainer = SimpleNamespace(
-        train_context=lambda: contextlib.nullcontext(entered.append("train_context")),
-        maybe_enable_amp=torch.autocast("cpu", dtype=torch.bfloat16))
-    out = encode_as_trainer(trainer, Encoders())("vision", {"x": torch.randn(3, 4)}, "image")
-    assert out.dtype == torch.bfloat16 and entered == ["train_context"]
+
+    def context():
+        return contextlib.nullcontext(entered.append("context"))
+
+    amp = torch.autocast("cpu", dtype=torch.bfloat16)
+    media = {"x": torch.randn(3, 4)}
+    out = encode_under(Encoders(), lambda: (context(), amp))("vision", media, "image")
+    assert out.dtype == torch.bfloat16 and entered == ["context"]
+    validator = build_encoder_ranks_validator(
+        SimpleNamespace(), SimpleNamespace(rank_sets=None), validation_context=context,
+        maybe_enable_amp=amp, tokenizer=None)
+    out = validator.encoder_run(Encoders())("vision", media, "image")
+    assert out.dtype == torch.bfloat16 and entered == ["context", "context"]
