@@ -46,6 +46,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from unittest import mock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOCK_TEXT = "data/stock_text"
@@ -283,12 +284,12 @@ def moe_4gpu() -> list[Point]:
         point("8k_ep4_text_cap1.25", 8192, _ep(4) + best + profile, "text"),
         point("8k_ep4_realistic_cap1.25", 8192, _ep(4) + best, "realistic"),
         point("16k_ep4_text_cap1.25", 16384, _ep(4) + best, "text", steps=8),
-        # the exact dispatcher eager: text at 8K and 16K, and the toy media rows
+        # the exact dispatcher eager: text at 8K and 16K, toy rows, realistic rows at 8K, 32K
         *[Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep4_{workload}_exact", MOE, 4, seq,
                 cut + _ep(4), workload=workload, estimate_s=80)
           for seq, workload in ((8192, "text"), (16384, "text"), (8192, "toy"),
                                 (8192, "realistic"), (32768, "realistic"))],
-        # full AC keeping the expert exchanges' results (no all-to-all in the recompute)
+        # full AC around the expert exchanges (no all-to-all in the recompute)
         Point("moe_30B-A3B_12L_8k_ep4_text_exact_keep_exchanges", MOE, 4, 8192,
               cut + _ep(4) + ("--parallelism.expert_ac_keep_exchanges",), workload="text",
               estimate_s=80),
@@ -482,17 +483,10 @@ def titan_flops_per_token(point: Point) -> float:
         spec = get_train_spec("llama3")
         args = spec.model_args[point.config]
     else:
-        # the config is validated against the point's world size; the caller's is restored
-        saved = os.environ.get("WORLD_SIZE")
-        os.environ["WORLD_SIZE"] = str(point.ngpu)
-        try:
+        # the config is validated against the point's world size (the caller's is restored)
+        with mock.patch.dict(os.environ, {"WORLD_SIZE": str(point.ngpu)}):
             cfg = parse_job_config(["--job.config_file", point.config_file(), *point.args,
                                     "--training.seq_len", str(point.seq_len)])
-        finally:
-            if saved is None:
-                os.environ.pop("WORLD_SIZE")
-            else:
-                os.environ["WORLD_SIZE"] = saved
         spec = get_train_spec(cfg.model.name)
         args = spec.model_args[cfg.model.flavor]
         args.update_from_config(cfg)  # applies omni.llm_layers

@@ -39,6 +39,10 @@ _UNSUPPORTED = (
 )
 
 
+#: ``parallelism.encoder_schedule``'s values (``distributed.encoder_schedule``)
+SCHEDULES = ("sync", "pipelined")
+
+
 def _rank_tables(cfg: JobConfig) -> dict[str, Any]:
     return {part: table[RANKS_KEY] for part, table in (cfg.parallelism.parts or {}).items()
             if RANKS_KEY in table}
@@ -49,7 +53,7 @@ def ranks_problem(cfg: JobConfig, world_size: int) -> str | None:
     when no table sets ``ranks``). ``world_size``: the launch's processes."""
     tables = _rank_tables(cfg)
     schedule = cfg.parallelism.encoder_schedule
-    if schedule not in ("sync", "pipelined"):
+    if schedule not in SCHEDULES:
         return f'parallelism.encoder_schedule = "{schedule}": use "sync" or "pipelined"'
     if not tables:
         if schedule != "sync":

@@ -124,7 +124,8 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
         if cfg.parallelism.expert_parallel_degree < 2:
             raise ConfigError(
                 "parallelism.expert_ac_keep_exchanges needs expert_parallel_degree > 1 (it "
-                "keeps the expert-parallel all-to-alls' results; without EP there are none)")
+                "checkpoints MoE blocks around their expert-parallel all-to-alls; without EP "
+                "there are none)")
         if cfg.activation_checkpoint.mode == "none":
             raise ConfigError(
                 "parallelism.expert_ac_keep_exchanges needs activation_checkpoint.mode full or "

@@ -30,7 +30,6 @@ import torch
 
 from torchtitan_omni.distributed.noncolocated import EncoderClient, EncoderServer
 
-SCHEDULES = ("sync", "pipelined")
 T = TypeVar("T")
 #: one micro-batch's media and the modalities absent from it on every rank
 Media = tuple[dict[str, torch.Tensor], Collection[str]]

@@ -219,15 +219,20 @@ def _order_rows(ranks: RankSets, plan: list[tuple[int, _Pass]], rows: dict[int, 
     return torch.cat([c for per_rank in chunks for c in per_rank]), splits
 
 
+def _by_trainable(plan: list[_Pass | None]
+                  ) -> tuple[list[tuple[int, _Pass]], list[tuple[int, _Pass]]]:
+    """The plan's passes (index, pass) of trainable encoders, and of frozen ones."""
+    live = [(i, p) for i, p in enumerate(plan) if p is not None]
+    return [(i, p) for i, p in live if p.trainable], [(i, p) for i, p in live if not p.trainable]
+
+
 def _send_rows(ranks: RankSets, plan: list[_Pass | None], rows: dict[int, torch.Tensor]
                ) -> _Kept | None:
     """Step 3 on an encoder rank (``rows``: pass index -> rows in arrival order): one
     all-to-all for the trainable passes' rows, one for the frozen ones'. Returns the
     trainable rows with their graph (None without trainable passes): the exchange itself is
     outside autograd here, their gradients come with :meth:`_Kept.receive_grads`."""
-    live = [(i, p) for i, p in enumerate(plan) if p is not None]
-    trainable = [(i, p) for i, p in live if p.trainable]
-    frozen = [(i, p) for i, p in live if not p.trainable]
+    trainable, frozen = _by_trainable(plan)
     nothing = [0] * ranks.group.size()
     kept = None
     if trainable:
@@ -277,9 +282,7 @@ def _receive_rows(ranks: RankSets, plan: list[_Pass | None], width: int, dtype: 
     """Step 3 on an LLM rank: the trainable passes' rows through autograd, then the frozen
     ones' without. Returns the trainable exchange's output (None without one) and the rows
     per pass."""
-    live = [(i, p) for i, p in enumerate(plan) if p is not None]
-    trainable = [(i, p) for i, p in live if p.trainable]
-    frozen = [(i, p) for i, p in live if not p.trainable]
+    trainable, frozen = _by_trainable(plan)
     back, out = None, {}
     if trainable:
         back, got = _rows_in(ranks, trainable, width, dtype, device, grad=True)
