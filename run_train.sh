@@ -2,7 +2,8 @@
 # Train an omni model, TorchTitan-style:
 #   NGPU=2 CONFIG_FILE=train_configs/llama_omni_debug.toml ./run_train.sh --training.steps 20
 # Environment: NGPU (processes; default 1), CONFIG_FILE (default: the bundled debug omni
-# config), LOG_RANK (ranks whose output is shown; default 0), TRAIN_FILE (entry module;
+# config), LOG_RANK (ranks whose output is shown; default 0), LOG_DIR (also write every rank's
+# whole output to files under this folder; default: none), TRAIN_FILE (entry module;
 # default torchtitan_omni.train), TORCHTITAN_OMNI_DEVICE (auto|cuda|cpu; default auto: CUDA
 # when a GPU is visible, else CPU with gloo). Extra --section.key value arguments pass through.
 set -eo pipefail
@@ -15,6 +16,8 @@ Launcher variables:
   NGPU                    processes (GPUs, or CPU processes without a GPU); default 1
   CONFIG_FILE             TOML config; default ./train_configs/llama_omni_debug.toml
   LOG_RANK                ranks whose output is shown; default 0
+  LOG_DIR                 also write every rank's whole output to files under this folder
+                          (torchrun's --log-dir: <LOG_DIR>/<run id>/attempt_0/<rank>/); default none
   TRAIN_FILE              entry module; default torchtitan_omni.train
   TORCHTITAN_OMNI_DEVICE  auto | cuda | cpu; default auto (CUDA when a GPU is visible)
 Outputs go under job.dump_folder: the log on the console, TensorBoard events in
@@ -43,7 +46,12 @@ fi
 # starting NGPU processes.
 WORLD_SIZE=$NGPU python3 -m torchtitan_omni.config.check --job.config_file "${CONFIG_FILE}" "$@"
 
+LOG_DIR_ARGS=()
+if [ -n "${LOG_DIR:-}" ]; then
+  LOG_DIR_ARGS=(--log-dir "${LOG_DIR}")
+fi
+
 PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-"expandable_segments:True"} \
 torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
-  --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
+  --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 "${LOG_DIR_ARGS[@]}" \
   -m "${TRAIN_FILE}" --job.config_file "${CONFIG_FILE}" "$@"

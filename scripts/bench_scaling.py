@@ -197,6 +197,10 @@ def _ep(n: int) -> tuple[str, ...]:
     return ("--parallelism.expert_parallel_degree", str(n))
 
 
+#: exact EP dispatch sending each token once per rank (not every routed copy)
+TOKENS = ("--parallelism.expert_dispatch", "tokens")
+
+
 def compiled(point: Point, estimate_s: int = 60) -> Point:
     """The ``torch.compile`` variant of a point (compilation adds to its run time)."""
     return dataclasses.replace(point, name=f"{point.name}_compile", compile=True,
@@ -269,8 +273,10 @@ def moe_4gpu() -> list[Point]:
     (capacity 1.25, compiled): text-only, realistic media and 16K text (whether the step scales
     with tokens) at EP4; the exact dispatcher eager (the code before issue 12) as the same
     call's baseline (also at 16K, on the toy rows and on realistic rows at 8K and 32K: capacity
-    drops about half the media copies at random init); EP2 (experts over 2 ranks, FSDP over 4)
-    at 8K.
+    drops about half the media copies at random init); the exact dispatcher with activation
+    checkpointing kept off its exchanges, and sending each token once per rank
+    (``expert_dispatch = "tokens"``: text at 8K and 16K, realistic rows at 8K); EP2 (experts
+    over 2 ranks, FSDP over 4) at 8K.
     The first point also profiles its last step (host syncs per layer, where the time goes)."""
     cut = _layers(12) + FULL
     best = _cap(1.25)
@@ -293,6 +299,15 @@ def moe_4gpu() -> list[Point]:
         Point("moe_30B-A3B_12L_8k_ep4_text_exact_keep_exchanges", MOE, 4, 8192,
               cut + _ep(4) + ("--parallelism.expert_ac_keep_exchanges",), workload="text",
               estimate_s=80),
+        # each token sent once per rank holding one of its experts (about 3.6 rows per token
+        # instead of 8 on EP4): text at 8K and 16K, realistic rows at 8K, and with the
+        # exchanges kept out of the recompute
+        *[Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep4_{workload}_exact_tokens", MOE, 4, seq,
+                cut + _ep(4) + TOKENS, workload=workload, estimate_s=80)
+          for seq, workload in ((8192, "text"), (16384, "text"), (8192, "realistic"))],
+        Point("moe_30B-A3B_12L_8k_ep4_text_exact_tokens_keep_exchanges", MOE, 4, 8192,
+              cut + _ep(4) + TOKENS + ("--parallelism.expert_ac_keep_exchanges",),
+              workload="text", estimate_s=80),
         # the toy rows with the encoders replicated (no per-block FSDP collectives) and not
         # checkpointed: how much of the media path's fixed cost those take
         Point("moe_30B-A3B_12L_8k_ep4_toy_exact_encoders_replicated_no_ac", MOE, 4, 8192,
@@ -313,6 +328,7 @@ def moe_dispatch(ngpu: int) -> list[Point]:
     variants = [("exact", ()), ("cap1.25", _cap(1.25))]
     if ngpu >= 2:  # the exchange in 2 chunks overlapped with the experts (needs EP)
         variants.append(("cap1.25_chunks2", _cap(1.25) + _chunks(2)))
+        variants.append(("exact_tokens", TOKENS))  # each token once per rank
     if ngpu == 4:
         variants += [("cap1.0", _cap(1.0)), ("cap2.0", _cap(2.0))]
     points = []

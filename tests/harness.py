@@ -119,18 +119,37 @@ def parse_losses(output: str) -> tuple[dict[int, float], dict[int, dict[str, flo
 
 def run_train(config: str, ngpu: int = 1, *overrides: str, env: dict | None = None,
               timeout: float = 900.0) -> TrainRun:
-    """Run ``./run_train.sh`` on CPU with ``NGPU=ngpu`` and parse the per-step losses."""
+    """Run ``./run_train.sh`` on CPU with ``NGPU=ngpu`` and parse the per-step losses. The
+    console shows rank 0; when the run fails, the end of every other rank's output (from
+    ``LOG_DIR``) is appended to ``output``, so a failure on another rank can be read too."""
     full_env = dict(os.environ)
-    full_env.update(NGPU=str(ngpu), CONFIG_FILE=str(config), TORCHTITAN_OMNI_DEVICE="cpu",
-                    LOG_RANK="0", PYTHONUNBUFFERED="1")
-    full_env.update(env or {})
-    proc = subprocess.run(
-        ["bash", str(REPO / "run_train.sh"), "--metrics.log_freq", "1", *overrides],
-        cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=timeout,
-    )
+    with tempfile.TemporaryDirectory(prefix="omni_ranks_") as log_dir:
+        full_env.update(NGPU=str(ngpu), CONFIG_FILE=str(config), TORCHTITAN_OMNI_DEVICE="cpu",
+                        LOG_RANK="0", LOG_DIR=log_dir, PYTHONUNBUFFERED="1",
+                        PYTHONFAULTHANDLER="1")
+        full_env.update(env or {})
+        proc = subprocess.run(
+            ["bash", str(REPO / "run_train.sh"), "--metrics.log_freq", "1", *overrides],
+            cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=timeout,
+        )
+        output = proc.stdout
+        if proc.returncode != 0:
+            output += _other_ranks_output(Path(log_dir))
     losses, named = parse_losses(proc.stdout)
-    return TrainRun(proc.returncode, proc.stdout, losses, named)
+    return TrainRun(proc.returncode, output, losses, named)
+
+
+def _other_ranks_output(log_dir: Path, chars: int = 1500) -> str:
+    """The last ``chars`` of each non-zero rank's stdout and stderr under torchrun's log dir."""
+    parts = []
+    for path in sorted(log_dir.glob("*/attempt_*/*/std*.log")):
+        rank = path.parent.name
+        text = path.read_text(errors="replace").strip()
+        if rank != "0" and text:
+            parts.append(f"\n--- rank {rank} {path.stem} (last {chars} characters) ---\n"
+                         f"{text[-chars:]}")
+    return "".join(parts)
 
 
 def python() -> str:

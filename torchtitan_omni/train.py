@@ -24,14 +24,16 @@ Run as ``python -m torchtitan_omni.train --job.config_file CONFIG [--section.key
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
+import logging
 import os
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import torchtitan_omni  # noqa: F401  (selects the device before TorchTitan's trainer loads)
 import torch
@@ -352,13 +354,14 @@ def _record_for_launcher(line: str) -> None:
 
 
 @record
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m torchtitan_omni.train``."""
+def main(argv: list[str] | None = None, trainer_cls: type[OmniTrainer] | None = None) -> None:
+    """Train (or write the seed checkpoint) with ``trainer_cls`` (default :class:`OmniTrainer`)
+    on ``argv`` (default: the command line), then close the trainer and the process groups."""
     init_logger()
     config = parse_job_config_or_exit(argv)
     trainer: OmniTrainer | None = None
     try:
-        trainer = OmniTrainer(config)
+        trainer = (trainer_cls or OmniTrainer)(config)
         if config.checkpoint.create_seed_checkpoint:
             # checkpoint.enable and a single process were checked at start-up
             trainer.checkpointer.save(curr_step=0, last_step=True)
@@ -379,5 +382,35 @@ def main(argv: list[str] | None = None) -> None:
             torch.distributed.destroy_process_group()
 
 
+def exit_without_finalization(code: int = 0) -> NoReturn:
+    """End the process after an orderly shutdown, skipping the interpreter's finalization.
+
+    Why: gloo's worker and socket threads live until the last reference to their process
+    group goes, and torch's DTensor caches (redistribution plans) keep device meshes, hence
+    their groups, alive after ``destroy_process_group()``; those threads then run on while the
+    interpreter tears itself down, the situation in which a CPU rank was seen to abort
+    (SIGABRT) right after its last step. By this point the trainer is closed (checkpoints
+    written, metric writers closed) and the process groups destroyed; what is left is freed
+    while the interpreter is whole (data-loader workers shut down with their loader), and the
+    log handlers and standard streams are flushed."""
+    gc.collect()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def run_cli(trainer_cls: type[OmniTrainer] | None = None) -> NoReturn:
+    """``python -m torchtitan_omni.train``: :func:`main` on the command line, then
+    :func:`exit_without_finalization` with its exit status (an error's too)."""
+    try:
+        main(trainer_cls=trainer_cls)
+    except SystemExit as e:  # the one-line errors of bad input
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        exit_without_finalization(code)
+    exit_without_finalization(0)
+
+
 if __name__ == "__main__":
-    main()
+    run_cli()

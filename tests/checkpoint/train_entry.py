@@ -10,10 +10,8 @@ import os
 import torch
 
 import torchtitan_omni  # noqa: F401  (device selection first)
-from torchtitan.tools.logging import init_logger
 
-from torchtitan_omni.config.manager import OmniConfigManager
-from torchtitan_omni.train import OmniTrainer
+from torchtitan_omni.train import OmniTrainer, run_cli
 
 
 class LossRecordingTrainer(OmniTrainer):
@@ -27,13 +25,7 @@ class LossRecordingTrainer(OmniTrainer):
 
 def run(trainer_cls: type[OmniTrainer]) -> None:
     """Train with ``trainer_cls`` on the launcher's arguments, as ``torchtitan_omni.train``."""
-    init_logger()
-    trainer = trainer_cls(OmniConfigManager().parse_args())
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-        torch.distributed.destroy_process_group()
+    run_cli(trainer_cls)
 
 
 def main() -> None:

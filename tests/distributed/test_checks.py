@@ -113,6 +113,18 @@ def test_validate_job_config_layouts():
     moe.parallelism.expert_parallel_degree, moe.parallelism.expert_dispatch_chunks = 1, 1
     with pytest.raises(ConfigError, match="expert_ac_keep_exchanges needs expert_parallel_"):
         validate_job_config(moe, world_size=2)
+    moe.parallelism.expert_ac_keep_exchanges = False
+    # the token dispatch: exact and expert-parallel only
+    moe.parallelism.expert_dispatch = "tokens"
+    with pytest.raises(ConfigError, match="expert_dispatch 'tokens' needs expert_parallel_"):
+        validate_job_config(moe, world_size=2)
+    moe.parallelism.expert_parallel_degree = 2
+    with pytest.raises(ConfigError, match="'tokens' is exact only, but expert_capacity_factor "
+                                          "is 1.25") as e:
+        validate_job_config(moe, world_size=2)
+    assert "\n" not in str(e.value)
+    moe.parallelism.expert_capacity_factor = 0.0
+    validate_job_config(moe, world_size=2)
     cfg.activation_checkpoint.mode = "memory_budget"
     with pytest.raises(ConfigError, match="memory_budget"):
         validate_job_config(cfg, world_size=1)

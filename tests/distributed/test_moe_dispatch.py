@@ -16,7 +16,11 @@ EP2 MoE blocks around their exchanges (``parallelism.expert_ac_keep_exchanges``;
 capacity-padded, in 2 chunks, with the experts FSDP-sharded as the trainer shards them, and
 compiled in pieces with aot_eager): outputs and gradients equal those without AC, and the step
 runs as many all-to-alls as without AC (the recompute exchanges nothing), counted by a
-dispatch mode, where a whole-block checkpoint runs the forward's again."""
+dispatch mode, where a whole-block checkpoint runs the forward's again. And the exact
+dispatcher sending each token once per rank (``parallelism.expert_dispatch = "tokens"``):
+EP4 and EP2 against one process as above (also with experts nobody routes to, and under AC
+around its exchanges with FSDP-sharded experts), its forward exchange carrying one row per
+(token, rank holding one of its experts)."""
 
 from __future__ import annotations
 
@@ -70,7 +74,7 @@ def _error(a, b) -> float:
 
 
 def _ep_layer(ref, mesh, factor: float, chunks: int, compiled: bool, rank: int,
-              idle: bool = False):
+              idle: bool = False, unit: str = "copies"):
     """A copy of ``ref`` under EP on ``mesh``, run forward and backward on ``rank``'s inputs."""
     import copy
 
@@ -80,7 +84,7 @@ def _ep_layer(ref, mesh, factor: float, chunks: int, compiled: bool, rank: int,
 
     moe = copy.deepcopy(ref)
     shard_experts(moe.experts, mesh)
-    moe.dispatcher = make_dispatcher(E, K, mesh.get_group(), factor, TOKENS, chunks)
+    moe.dispatcher = make_dispatcher(E, K, mesh.get_group(), factor, TOKENS, chunks, unit)
     x, grad = _inputs(rank, idle)
     if compiled:
         # a fresh cache per case: a recompile for another capacity factor would make dynamo
@@ -93,16 +97,27 @@ def _ep_layer(ref, mesh, factor: float, chunks: int, compiled: bool, rank: int,
 
 
 def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
-          chunks: int = 1, idle: bool = False) -> dict:
+          chunks: int = 1, idle: bool = False, unit: str = "copies") -> dict:
+    from unittest import mock
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from torchtitan_omni.distributed import expert_tokens
     from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
 
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))["ep"]
     group = mesh.get_group()
     ref = _layer()
-    moe, out, stats, x = _ep_layer(ref, mesh, factor, chunks, compiled, rank, idle)
+    sent = []  # rows the token dispatcher hands to each of its exchanges (forward)
+
+    def counting(x, *args):
+        sent.append(x.shape[0])
+        return real(x, *args)
+
+    real = expert_tokens.all_to_all_v
+    with mock.patch.object(expert_tokens, "all_to_all_v", counting):
+        moe, out, stats, x = _ep_layer(ref, mesh, factor, chunks, compiled, rank, idle, unit)
 
     # the same layer in one process, on every rank of this EP group in turn
     if factor:
@@ -128,7 +143,8 @@ def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
                               getattr(ref.experts, name).grad[rows])
     result = {"dispatcher": type(moe.dispatcher).__name__,
               "routed": stats.routed.tolist(), "ref_routed": ref_stats.routed.tolist(),
-              "dropped": stats.dropped.tolist(), "ref_dropped": ref_stats.dropped.tolist()}
+              "dropped": stats.dropped.tolist(), "ref_dropped": ref_stats.dropped.tolist(),
+              "sent": sent[:1], "ranks_per_token": _ranks_per_token(ref_x, E // ep)}
     if chunks > 1:  # and against the same EP layer exchanging in one chunk
         one, out1, stats1, x1 = _ep_layer(_layer(), mesh, factor, 1, compiled, rank, idle)
         router1 = one.gate.weight.grad.clone()
@@ -140,6 +156,14 @@ def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
                                             getattr(one.experts, name).grad.to_local())
         result["dropped_1"] = stats1.dropped.tolist()
     return dict(result, errors=errors)
+
+
+def _ranks_per_token(x, local: int) -> list[int]:
+    """For each of a rank's tokens, how many EP ranks hold one of its K experts."""
+    import torch
+
+    chosen = torch.topk(_layer().gate(x.detach()), K, dim=-1).indices
+    return [len(set((row // local).tolist())) for row in chosen]
 
 
 #: name: (EP degree, capacity factor, compiled, dispatch chunks, idle experts). Capacity C =
@@ -164,6 +188,12 @@ CASES = {
     "ep2_cap1.25_chunks2_idle": (2, 1.25, False, 2, True),
     "ep4_cap1.25_chunks2_compiled": (4, 1.25, True, 2, False),
     "ep2_cap2.0_chunks4_compiled": (2, 2.0, True, 4, False),
+}
+#: the exact dispatcher sending each token once per rank (``expert_dispatch = "tokens"``)
+TOKEN_CASES = {
+    "ep4_exact_tokens": (4, 0.0, False, 1, False),
+    "ep2_exact_tokens": (2, 0.0, False, 1, False),
+    "ep4_exact_tokens_idle": (4, 0.0, False, 1, True),
 }
 
 
@@ -282,7 +312,7 @@ class _Block:
 AC_LAYERS = 2
 
 
-def _ep_blocks(mesh, factor: float, chunks: int, fsdp: bool):
+def _ep_blocks(mesh, factor: float, chunks: int, fsdp: bool, unit: str = "copies"):
     import torch.nn as nn
     from torch.distributed.fsdp import fully_shard
 
@@ -294,7 +324,8 @@ def _ep_blocks(mesh, factor: float, chunks: int, fsdp: bool):
         shard_experts(moe.experts, mesh["ep"])
         if fsdp:  # the experts' own FSDP unit inside the block, as the trainer has it
             fully_shard(moe.experts, mesh=mesh["efsdp"], reshard_after_forward=True)
-        moe.dispatcher = make_dispatcher(E, K, mesh["ep"].get_group(), factor, TOKENS, chunks)
+        moe.dispatcher = make_dispatcher(E, K, mesh["ep"].get_group(), factor, TOKENS, chunks,
+                                         unit)
         blocks.append(_Block.make(moe))
     return nn.ModuleList(blocks)
 
@@ -332,7 +363,7 @@ def _ac_step(blocks, rank: int):
     return h.detach(), x.grad, mode.calls
 
 
-def _ac_case(rank: int, world: int, factor: float, chunks: int, fsdp: bool,
+def _ac_case(rank: int, world: int, unit: str, factor: float, chunks: int, fsdp: bool,
              compiled: bool) -> dict:
     """EP2 blocks checkpointed around their exchanges (checkpoint_units, as parallelize
     applies it) against the same blocks without AC and checkpointed whole."""
@@ -345,7 +376,7 @@ def _ac_case(rank: int, world: int, factor: float, chunks: int, fsdp: bool,
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
     # alike by construction: the layers' seeded init, LayerNorm's ones and zeros
-    plain, ac, whole = (_ep_blocks(mesh, factor, chunks, fsdp) for _ in range(3))
+    plain, ac, whole = (_ep_blocks(mesh, factor, chunks, fsdp, unit) for _ in range(3))
     if compiled:
         torch._dynamo.reset()
         compile_units(list(ac), "aot_eager", graph_breaks=True)
@@ -366,22 +397,24 @@ def _ac_case(rank: int, world: int, factor: float, chunks: int, fsdp: bool,
             "whole_calls": whole_calls, "graphs": graphs}
 
 
-#: name: (capacity factor, dispatch chunks, experts FSDP-sharded, compiled, all-to-alls per
-#: layer without AC) of the activation-checkpointing cases (EP2): exact 5 (counts, dispatch,
-#: combine; 2 backward), capacity 4, capacity in 2 chunks (C = 3: widths 2 + 1) 8
+#: name: (expert dispatch unit, capacity factor, dispatch chunks, experts FSDP-sharded,
+#: compiled, all-to-alls per layer without AC) of the activation-checkpointing cases (EP2):
+#: exact 5 (counts, dispatch, combine; 2 backward; either unit), capacity 4, capacity in 2
+#: chunks (C = 3: widths 2 + 1) 8
 AC_CASES = {
-    "ac_exact_fsdp": (0.0, 1, True, False, 5),
-    "ac_capacity": (1.0, 1, False, False, 4),
-    "ac_cap1.25_chunks2_fsdp": (1.25, 2, True, False, 8),
-    "ac_capacity_compiled": (1.0, 1, False, True, 4),
+    "ac_exact_fsdp": ("copies", 0.0, 1, True, False, 5),
+    "ac_exact_tokens_fsdp": ("tokens", 0.0, 1, True, False, 5),
+    "ac_capacity": ("copies", 1.0, 1, False, False, 4),
+    "ac_cap1.25_chunks2_fsdp": ("copies", 1.25, 2, True, False, 8),
+    "ac_capacity_compiled": ("copies", 1.0, 1, False, True, 4),
 }
 
 
 def _all_cases(rank, world):
     results = {"counts": _counts_case(rank, world)}
-    for name, (factor, chunks, fsdp, compiled, _) in AC_CASES.items():
+    for name, (unit, factor, chunks, fsdp, compiled, _) in AC_CASES.items():
         try:
-            results[name] = _ac_case(rank, world, factor, chunks, fsdp, compiled)
+            results[name] = _ac_case(rank, world, unit, factor, chunks, fsdp, compiled)
         except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
             results[name] = {"error": traceback.format_exc()}
     for name, case in (("order", functools.partial(_backward_order_case, fsdp=False)),
@@ -396,6 +429,11 @@ def _all_cases(rank, world):
             results[name] = _case(rank, world, ep, factor, compiled, chunks, idle)
         except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
             results[name] = {"error": traceback.format_exc()}
+    for name, (ep, factor, compiled, chunks, idle) in TOKEN_CASES.items():
+        try:
+            results[name] = _case(rank, world, ep, factor, compiled, chunks, idle, "tokens")
+        except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
+            results[name] = {"error": traceback.format_exc()}
     return results
 
 
@@ -404,11 +442,11 @@ def results():
     return run_distributed(_all_cases, 4, timeout=600)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(TOKEN_CASES))
 def test_dispatch_matches_one_process(results, name):
     from torchtitan_omni.modules.moe_capacity import capacity
 
-    ep, factor, _, chunks, idle = CASES[name]
+    ep, factor, _, chunks, idle = CASES.get(name) or TOKEN_CASES[name]
     for rank, res in enumerate(results):
         out = res[name]
         assert "error" not in out, f"rank {rank}: {out.get('error')}"
@@ -417,7 +455,8 @@ def test_dispatch_matches_one_process(results, name):
         assert out["routed"] == out["ref_routed"] and out["dropped"] == out["ref_dropped"], out
         if chunks > 1:
             assert out["dropped"] == out["dropped_1"], out
-        expected = ("ChunkedCapacityExpertParallelDispatcher" if chunks > 1
+        expected = ("TokenExpertParallelDispatcher" if name in TOKEN_CASES
+                    else "ChunkedCapacityExpertParallelDispatcher" if chunks > 1
                     else "CapacityExpertParallelDispatcher" if factor
                     else "ExpertParallelDispatcher")
         assert out["dispatcher"] == expected
@@ -433,6 +472,20 @@ def test_dispatch_matches_one_process(results, name):
         assert results[0][name]["dropped"][0] == SIZES[0] - cap, dropped
     else:
         assert dropped == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("name", sorted(TOKEN_CASES))
+def test_token_dispatch_sends_each_token_once_per_rank(results, name):
+    """The token dispatcher's forward exchange carries one row per (token, rank holding one of
+    its experts): fewer than the K copies per token whenever two choices share a rank (which
+    this routing makes happen on every rank that has tokens)."""
+    for rank, res in enumerate(results):
+        out = res[name]
+        assert "error" not in out, f"rank {rank}: {out.get('error')}"
+        per_token = out["ranks_per_token"]
+        assert out["sent"] == [sum(per_token)], (rank, out["sent"], per_token)
+        if SIZES[rank]:
+            assert sum(per_token) < K * SIZES[rank], (rank, per_token)
 
 
 @pytest.mark.parametrize("case", ["order", "order_fsdp"])

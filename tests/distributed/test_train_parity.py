@@ -1,6 +1,7 @@
 """``run_train.sh`` end to end: each spec's debug config with Ulysses 2 (and, for the MoE spec,
-expert parallel 2) on 2 CPU ranks gives the per-step losses of the single-rank run (the same
-samples: one data-parallel rank either way) within 1e-4, under ``--debug.deterministic``.
+expert parallel 2, with either exact dispatcher: every routed copy, or each token once per
+rank) on 2 CPU ranks gives the per-step losses of the single-rank run (the same samples: one
+data-parallel rank either way) within 1e-4, under ``--debug.deterministic``.
 
 The chunked expert exchange (``parallelism.expert_dispatch_chunks`` 2) on 4 ranks, everything
 on (FSDP with the experts' own efsdp unit, Ulysses, EP 2, capacity-padded dispatch):
@@ -35,6 +36,11 @@ CASES = {
         "--parallelism.expert_parallel_degree",
         "2",
     ),
+    # the exact dispatcher sending each token once per rank
+    "qwen3_moe_omni:tokens": (
+        "--parallelism.ulysses_degree", "2", "--parallelism.expert_parallel_degree", "2",
+        "--parallelism.expert_dispatch", "tokens",
+    ),
 }
 
 
@@ -51,13 +57,16 @@ def _run(config, ngpu, tag, *extra):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", sorted(CASES))
 def test_sp_ep_losses_match_single_rank(spec):
-    config = REPO / "train_configs" / f"{spec}_debug.toml"
+    model, _, variant = spec.partition(":")
+    config = REPO / "train_configs" / f"{model}_debug.toml"
     if not config.exists():
         pytest.skip(f"{config.relative_to(REPO)} does not exist yet")
-    base = _single_rank(spec)
-    para = _run(config, 2, f"{spec}_2", *CASES[spec])
-    if spec == "qwen3_moe_omni":  # the trainer logs expert load; exact dispatch drops nothing
+    base = _single_rank(model)
+    para = _run(config, 2, f"{model}_2{variant}", *CASES[spec])
+    if model == "qwen3_moe_omni":  # the trainer logs expert load; exact dispatch drops nothing
         assert "moe: max/mean" in para.output and "dropped 0 (0.00%)" in para.output
+    if variant == "tokens":
+        assert "each token sent once per rank" in para.output
     for step in range(1, STEPS + 1):
         assert abs(para.losses[step] - base.losses[step]) <= TOL, (step, base.losses, para.losses)
         for name, value in base.named[step].items():

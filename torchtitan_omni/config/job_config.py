@@ -69,6 +69,15 @@ class Parallelism:
     capacity are dropped (their expert output is zero), counted and logged
     (moe/dropped_tokens). See docs/parallelism.md."""
 
+    expert_dispatch: Literal["copies", "tokens"] = "copies"
+    """What the exact expert-parallel dispatcher exchanges. "copies" (default): every routed
+    copy of a token goes to its expert's rank (top_k rows per token each way). "tokens": a
+    token goes once to each rank holding at least one of its experts, and that rank sends back
+    one row, the router-weighted sum of its experts' outputs: fewer rows when a token's experts
+    share ranks (top 8 of 128 experts on EP4: about 3.6 rows per token instead of 8). Same
+    results up to summation order. Needs expert parallel and the exact dispatcher
+    (expert_capacity_factor 0). See docs/parallelism.md."""
+
     expert_dispatch_chunks: int = 1
     """Capacity-padded expert parallel only (expert_capacity_factor > 0): cut each (rank,
     expert) slot block into this many chunks and overlap each chunk's dispatch all-to-all

@@ -120,6 +120,16 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             f"{cfg.parallelism.expert_parallel_degree}: without expert parallel there is no "
             "exchange to cut into chunks; set it to 1"
         )
+    if cfg.parallelism.expert_dispatch == "tokens":
+        if cfg.parallelism.expert_parallel_degree < 2:
+            raise ConfigError(
+                "parallelism.expert_dispatch 'tokens' needs expert_parallel_degree > 1 (it "
+                "changes what the expert-parallel all-to-all sends; without EP there is none)")
+        if factor > 0:
+            raise ConfigError(
+                f"parallelism.expert_dispatch 'tokens' is exact only, but "
+                f"expert_capacity_factor is {factor}: set it to 0, or expert_dispatch to "
+                "'copies'")
     if cfg.parallelism.expert_ac_keep_exchanges:
         if cfg.parallelism.expert_parallel_degree < 2:
             raise ConfigError(

@@ -16,7 +16,10 @@ int64 routed copies per expert. Without EP the dispatcher is the identity
   reads the split sizes on the host (one sync per layer and pass), sends every token copy to
   its expert's rank (uneven all-to-all), regroups what arrived by local expert, and
   ``combine`` undoes both steps. Nothing is dropped; ``torch.compile`` breaks the block's
-  graph at the host read.
+  graph at the host read. With ``parallelism.expert_dispatch = "tokens"``,
+  ``torchtitan_omni.distributed.expert_tokens.TokenExpertParallelDispatcher`` instead sends
+  each token once to every rank holding one of its experts and gets back one weighted sum per
+  token and rank (fewer rows each way when a token's experts share ranks).
 - > 0, capacity-padded: :class:`CapacityExpertParallelDispatcher` gives every (source rank,
   expert) pair a fixed number of slots (``torchtitan_omni.modules.moe_capacity``), so the
   all-to-all has equal, static blocks: no host read (the block's graph still breaks around the
@@ -47,6 +50,7 @@ from torchtitan_omni.distributed.comm import (
     ProcessGroup, all_to_all_blocks, all_to_all_v, exchange_counts,
 )
 from torchtitan_omni.distributed.expert_overlap import ChunkedExchange
+from torchtitan_omni.distributed.expert_tokens import TokenExpertParallelDispatcher
 from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
 
 
@@ -225,18 +229,25 @@ def find_moe_layer(model: nn.Module, experts_name: str) -> nn.Module:
 
 
 def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
-                    capacity_factor: float, tokens: int | None, chunks: int = 1):
+                    capacity_factor: float, tokens: int | None, chunks: int = 1,
+                    unit: str = "copies"):
     """The dispatcher for a layer: exact or capacity-padded (``capacity_factor`` > 0), over
     ``group`` or local (None); None when the default local exact one fits. ``chunks`` > 1:
     the capacity-padded expert-parallel exchange in that many overlapped chunks
     (``torchtitan_omni.distributed.expert_overlap``; the start-up check refuses chunks > 1
     without EP, where there is nothing to exchange; here they leave the local dispatcher
-    as it is)."""
+    as it is). ``unit`` (``parallelism.expert_dispatch``): "tokens" sends each token once per
+    rank (``torchtitan_omni.distributed.expert_tokens``; exact dispatch only; without EP it
+    leaves the local dispatcher as it is, like ``chunks``)."""
     if chunks < 1:
         raise ValueError(f"expert dispatch chunks must be >= 1, got {chunks}")
     if chunks > 1 and not capacity_factor > 0:
         raise ValueError("expert dispatch chunks > 1 need the capacity-padded dispatcher "
                          "(capacity factor > 0): the exact one reads its splits on the host")
+    if unit not in ("copies", "tokens"):
+        raise ValueError(f"expert dispatch unit must be 'copies' or 'tokens', got {unit!r}")
+    if unit == "tokens" and capacity_factor > 0:
+        raise ValueError("expert dispatch 'tokens' is exact only: capacity factor must be 0")
     if capacity_factor > 0:
         if group is None or group.size() == 1:
             return CapacityDispatcher(num_experts, top_k, capacity_factor, tokens)
@@ -246,15 +257,18 @@ def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
         return CapacityExpertParallelDispatcher(group, num_experts, top_k, capacity_factor, tokens)
     if group is None or group.size() == 1:
         return None
+    if unit == "tokens":
+        return TokenExpertParallelDispatcher(group, num_experts)
     return ExpertParallelDispatcher(group, num_experts)
 
 
 def apply_expert_parallel(model: nn.Module, experts_names: list[str], ep_mesh: DeviceMesh | None,
                           capacity_factor: float = 0.0, tokens: int | None = None,
-                          chunks: int = 1) -> None:
+                          chunks: int = 1, unit: str = "copies") -> None:
     """Shard each experts module over ``ep`` (when given) and install the dispatcher chosen by
     :func:`make_dispatcher`; ``tokens``: tokens per micro-batch of a rank (capacity);
-    ``chunks``: ``parallelism.expert_dispatch_chunks``."""
+    ``chunks``: ``parallelism.expert_dispatch_chunks``; ``unit``:
+    ``parallelism.expert_dispatch``."""
     group = ep_mesh.get_group() if ep_mesh is not None else None
     for name in experts_names:
         experts = model.get_submodule(name)
@@ -264,6 +278,6 @@ def apply_expert_parallel(model: nn.Module, experts_names: list[str], ep_mesh: D
             num_experts = next(experts.parameters(recurse=False)).shape[0]
         layer = find_moe_layer(model, name)
         dispatcher = make_dispatcher(num_experts, getattr(layer, "top_k", 1), group,
-                                     capacity_factor, tokens, chunks)
+                                     capacity_factor, tokens, chunks, unit)
         if dispatcher is not None:
             layer.dispatcher = dispatcher

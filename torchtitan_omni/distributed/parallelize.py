@@ -341,9 +341,12 @@ def apply_expert_dispatch(model: nn.Module, plan: OmniParallelPlan, dims: OmniPa
     mesh = dims.get_mesh("ep") if dims.ep > 1 else None
     tokens = capacity_tokens(job_config, dims.sp) if factor > 0 else None
     chunks = job_config.parallelism.expert_dispatch_chunks
-    apply_expert_parallel(model, names, mesh, factor, tokens, chunks)
+    unit = job_config.parallelism.expert_dispatch
+    apply_expert_parallel(model, names, mesh, factor, tokens, chunks, unit)
     dispatch = (f"capacity factor {factor} ({tokens} tokens per rank and micro-batch)"
                 if factor > 0 else "exact")
+    if unit == "tokens" and dims.ep > 1:
+        dispatch += ", each token sent once per rank"
     if chunks > 1 and dims.ep > 1:
         dispatch += f", exchange in {chunks} overlapped chunks"
     logger.info(f"MoE dispatch on {len(names)} experts modules: EP{dims.ep}, {dispatch}")

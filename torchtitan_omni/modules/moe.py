@@ -35,7 +35,11 @@ Dispatcher interface (what expert parallel replaces)
   block's graph there;
 - optionally ``dispatcher.run(experts, x_sorted, counts) -> y_sorted``: a dispatcher that
   interleaves its exchanges with the experts (the chunked expert-parallel one calls
-  ``experts`` once per chunk) does all three steps itself (:func:`run_experts`).
+  ``experts`` once per chunk) does all three steps itself (:func:`run_experts`);
+- optionally ``dispatcher.run_tokens(experts, x, weights, indices, counts) -> out``: a
+  dispatcher that moves tokens rather than sorted copies and returns each token's weighted
+  sum of its experts itself (``torchtitan_omni.distributed.expert_tokens``, one row per token
+  and destination rank); the layer then skips the sort, gather and :func:`combine`.
 
 The layer then weighs each copy by its routing weight and sums a token's k copies
 (:func:`combine`). The default :class:`LocalDispatcher` is the identity (every expert is
@@ -326,9 +330,14 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         probs, weights, indices = self.route(x)
         order, counts = sort_by_expert(indices, self.num_experts)
-        y_sorted = run_experts(self.dispatcher, self.experts,
-                               gather_sorted(x, order, self.top_k), counts)
-        out = combine(y_sorted, order, weights).to(x.dtype).reshape(shape)
+        run_tokens = getattr(self.dispatcher, "run_tokens", None)
+        if run_tokens is not None:  # the dispatcher weighs and sums each token's experts
+            out = run_tokens(self.experts, x, weights, indices, counts)
+        else:
+            y_sorted = run_experts(self.dispatcher, self.experts,
+                                   gather_sorted(x, order, self.top_k), counts)
+            out = combine(y_sorted, order, weights)
+        out = out.to(x.dtype).reshape(shape)
         dropped = self.dispatcher.dropped(counts, order.numel())
         return out, RoutingStats(probs.sum(dim=0), counts, dropped)
 

@@ -1,0 +1,141 @@
+"""Exact expert-parallel dispatch that sends each token once per rank
+(``parallelism.expert_dispatch = "tokens"``).
+
+The copies dispatcher (``expert_parallel.ExpertParallelDispatcher``) sends every routed copy
+of a token to its expert's rank: ``top_k`` rows per token. With top-k routing over many
+experts, a token's k experts often share ranks (Qwen3-30B-A3B, top 8 of 128 experts on EP4:
+on average 3.6 distinct ranks per token), so most of those rows repeat one another. This
+dispatcher sends a token once to each rank that holds at least one of its experts, with a
+small header saying which of its k choices that rank computes (local expert ids, -1 for "not
+here") and their router weights; the receiving rank expands the token to its local copies,
+runs its experts, and sends back one row per token: the router-weighted sum of its experts'
+outputs. The source rank adds the rows it gets back. Per rank and MoE layer, both exchanges
+move ``tokens x ranks touched`` rows instead of ``tokens x top_k`` (about 2.2x fewer bytes
+on EP4 with top 8 of 128, 4x on EP2).
+
+Exact: nothing is dropped; the output is the copies dispatcher's up to floating-point
+summation order (the weighted sum of a token's experts is formed per rank, then over ranks).
+The header travels in the token rows' dtype (ids exact while the local experts fit the
+mantissa: at most 256 for bfloat16; weights rounded to that dtype, as the copies path rounds
+them when it weighs the expert outputs). Like the copies dispatcher it reads its split sizes
+on the host once per layer and pass (one count exchange, one device-to-host copy).
+
+All index maps are permutations or disjoint placements (``index_put`` without overlap,
+gathers), so the backward has no colliding scatter-add: deterministic on GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.autograd import Function
+
+from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_v, exchange_counts
+
+#: largest local expert id the header carries exactly in bfloat16 (8 bits of mantissa)
+MAX_LOCAL_EXPERTS = 256
+
+
+class _SpreadGather(Function):
+    """``src.index_select(0, rows)`` where ``rows`` repeat ``src``'s rows: output row i stands
+    at position ``slots[i]`` (distinct) of a ``layout = (a, b)`` grid of copies of ``src``,
+    repeated along ``sum_dim``. The backward places each gradient row at its slot and sums
+    the grid over ``sum_dim``: no colliding scatter-add, so deterministic on GPU (an
+    ``index_select``'s backward adds rows atomically)."""
+
+    @staticmethod
+    def forward(ctx, src, rows, slots, layout: tuple[int, int], sum_dim: int):
+        ctx.save_for_backward(slots)
+        ctx.layout, ctx.sum_dim = layout, sum_dim
+        return src.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slots,) = ctx.saved_tensors
+        a, b = ctx.layout
+        width = grad.shape[-1]
+        grid = grad.new_zeros(a * b, width).index_put_((slots,), grad)
+        return grid.view(a, b, width).sum(ctx.sum_dim), None, None, None, None
+
+
+class TokenExpertParallelDispatcher:
+    """Exact dispatch over an expert-parallel group, one row per (token, destination rank)
+    each way (see the module docstring). Drives the experts itself: ``MoE.forward`` calls
+    :meth:`run_tokens` instead of sorting copies."""
+
+    #: the split sizes are read on the host: torch.compile breaks the block's graph here
+    host_sync = True
+
+    def __init__(self, group: ProcessGroup, num_experts: int) -> None:
+        self.group = group
+        self.degree = group.size()
+        if num_experts % self.degree:
+            raise ValueError(
+                f"expert parallel degree {self.degree} does not divide {num_experts} experts")
+        self.num_experts = num_experts
+        self.local = num_experts // self.degree
+        if self.local > MAX_LOCAL_EXPERTS:
+            raise ValueError(
+                f"expert_dispatch 'tokens' carries local expert ids in the token rows' dtype: "
+                f"{self.local} experts per rank is more than the {MAX_LOCAL_EXPERTS} bfloat16 "
+                f"holds exactly; use expert_dispatch 'copies' or a larger EP degree")
+
+    def __repr__(self) -> str:
+        return f"TokenExpertParallelDispatcher(degree={self.degree}, experts={self.num_experts})"
+
+    def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:
+        """Nothing is dropped."""
+        return torch.zeros_like(counts)
+
+    def run_tokens(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor,
+                   indices: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``[N, D]``: each token's router-weighted sum of its ``k`` experts' outputs.
+
+        ``x`` ``[N, D]`` tokens, ``weights``/``indices`` ``[N, k]`` the router's choices,
+        ``counts`` ``[E]`` int64 copies per (global) expert."""
+        ranks, local = self.degree, self.local
+        n, dim = x.shape
+        k = indices.shape[1]
+        if counts.numel() != self.num_experts:
+            raise ValueError(f"dispatch: counts has {counts.numel()} experts, the layer has "
+                             f"{self.num_experts}")
+        with torch.no_grad():
+            dest = torch.div(indices, local, rounding_mode="floor")  # [N, k] rank of each copy
+            rank_ids = torch.arange(ranks, device=x.device)
+            touched = (dest.unsqueeze(-1) == rank_ids).any(dim=1)  # [N, ranks]
+            pairs = touched.sum(0)  # rows to each rank
+            send = torch.cat([counts.to(torch.int64).view(ranks, local), pairs[:, None]], 1)
+            recv = exchange_counts(send, self.group)  # [ranks, local + 1] from each rank
+            # One host sync per layer: the collective needs the split sizes on the host.
+            sizes = torch.cat([pairs, recv[:, local], recv[:, :local].sum().view(1)]).tolist()
+        in_splits, out_splits, copies = sizes[:ranks], sizes[ranks:2 * ranks], sizes[-1]
+        sent = sum(in_splits)
+        with torch.no_grad():
+            # the (rank, token) pairs to send, rank-major: positions in a [ranks * N] grid
+            grid = touched.t().reshape(-1)
+            pos = torch.argsort(torch.logical_not(grid).to(torch.int32), stable=True)[:sent]
+            rank_of, token_of = pos // n, pos % n
+            here = dest.index_select(0, token_of) == rank_of[:, None]  # [S, k]
+            ids = torch.where(here, indices.index_select(0, token_of) - rank_of[:, None] * local,
+                              -1)
+        rows = _SpreadGather.apply(x, token_of, pos, (ranks, n), 0)
+        w = _SpreadGather.apply(weights, token_of, pos, (ranks, n), 0) * here
+        payload = torch.cat([rows, ids.to(rows.dtype), w.to(rows.dtype)], dim=1)
+        received = all_to_all_v(payload, out_splits, in_splits, self.group)
+        got = received.shape[0]
+        x_got, ids_got, w_got = received.split([dim, k, k], dim=1)
+        with torch.no_grad():
+            slot_ids = ids_got.round().to(torch.int64).reshape(-1)  # [R * k], -1: not here
+            key = torch.where(slot_ids >= 0, slot_ids, torch.full_like(slot_ids, local))
+            # the copies grouped by local expert (stable: by source rank, then token)
+            order = torch.argsort(key, stable=True)[:copies]
+            counts_local = recv[:, :local].sum(0)
+        x_local = _SpreadGather.apply(x_got, order // k, order, (got, k), 1)
+        y_local = experts(x_local, counts_local)
+        out_dim = y_local.shape[-1]
+        y_slots = y_local.new_zeros(got * k, out_dim).index_put((order,), y_local)
+        partial = torch.bmm(w_got.to(y_slots.dtype).unsqueeze(1),
+                            y_slots.view(got, k, out_dim)).squeeze(1)  # [R, D] one per token
+        back = all_to_all_v(partial, in_splits, out_splits, self.group)  # [S, D]
+        placed = back.new_zeros(ranks * n, out_dim).index_put((pos,), back)
+        return placed.view(ranks, n, out_dim).sum(0)
