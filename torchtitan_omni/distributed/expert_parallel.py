@@ -17,7 +17,7 @@ int64 routed copies per expert. Without EP the dispatcher is the identity
   its expert's rank (uneven all-to-all), regroups what arrived by local expert, and
   ``combine`` undoes both steps. Nothing is dropped; ``torch.compile`` breaks the block's
   graph at the host read. With ``parallelism.expert_dispatch = "tokens"``,
-  ``torchtitan_omni.distributed.expert_tokens.TokenExpertParallelDispatcher`` instead sends
+  :class:`TokenExpertParallelDispatcher` (``torchtitan_omni.distributed.expert_tokens``) sends
   each token once to every rank holding one of its experts and gets back one weighted sum per
   token and rank (fewer rows each way when a token's experts share ranks).
 - > 0, capacity-padded: :class:`CapacityExpertParallelDispatcher` gives every (source rank,
@@ -50,7 +50,7 @@ from torchtitan_omni.distributed.comm import (
     ProcessGroup, all_to_all_blocks, all_to_all_v, exchange_counts,
 )
 from torchtitan_omni.distributed.expert_overlap import ChunkedExchange
-from torchtitan_omni.distributed.expert_tokens import TokenExpertParallelDispatcher
+from torchtitan_omni.distributed.expert_tokens import TokenExchange, check_header_fits
 from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
 
 
@@ -140,6 +140,19 @@ class ExpertParallelDispatcher:
     def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:
         """Nothing is dropped."""
         return torch.zeros_like(counts)
+
+
+class TokenExpertParallelDispatcher(TokenExchange, ExpertParallelDispatcher):
+    """:class:`ExpertParallelDispatcher` whose layer exchanges each token once per rank holding
+    one of its experts, and one weighted sum back (``run_tokens``,
+    ``torchtitan_omni.distributed.expert_tokens``); nothing dropped."""
+
+    def __init__(self, group: ProcessGroup, num_experts: int) -> None:
+        super().__init__(group, num_experts)
+        check_header_fits(num_experts // self.degree)
+
+    def __repr__(self) -> str:
+        return f"TokenExpertParallelDispatcher(degree={self.degree}, experts={self.num_experts})"
 
 
 class CapacityExpertParallelDispatcher(CapacityDispatcher):

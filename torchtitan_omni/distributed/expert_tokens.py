@@ -58,34 +58,23 @@ class _SpreadGather(Function):
         return grid.view(a, b, width).sum(ctx.sum_dim), None, None, None, None
 
 
-class TokenExpertParallelDispatcher:
-    """Exact dispatch over an expert-parallel group, one row per (token, destination rank)
-    each way (see the module docstring). Drives the experts itself: ``MoE.forward`` calls
-    :meth:`run_tokens` instead of sorting copies."""
+def check_header_fits(local_experts: int) -> None:
+    """Refuse more local experts than the header's ids carry exactly in bfloat16."""
+    if local_experts > MAX_LOCAL_EXPERTS:
+        raise ValueError(
+            f"expert_dispatch 'tokens' carries local expert ids in the token rows' dtype: "
+            f"{local_experts} experts per rank is more than the {MAX_LOCAL_EXPERTS} bfloat16 "
+            f"holds exactly; use expert_dispatch 'copies' or a larger EP degree")
 
-    #: the split sizes are read on the host: torch.compile breaks the block's graph here
-    host_sync = True
 
-    def __init__(self, group: ProcessGroup, num_experts: int) -> None:
-        self.group = group
-        self.degree = group.size()
-        if num_experts % self.degree:
-            raise ValueError(
-                f"expert parallel degree {self.degree} does not divide {num_experts} experts")
-        self.num_experts = num_experts
-        self.local = num_experts // self.degree
-        if self.local > MAX_LOCAL_EXPERTS:
-            raise ValueError(
-                f"expert_dispatch 'tokens' carries local expert ids in the token rows' dtype: "
-                f"{self.local} experts per rank is more than the {MAX_LOCAL_EXPERTS} bfloat16 "
-                f"holds exactly; use expert_dispatch 'copies' or a larger EP degree")
+class TokenExchange:
+    """Mixin of an exact expert-parallel dispatcher (``group``, ``degree``, ``num_experts``):
+    :meth:`run_tokens` exchanges one row per (token, destination rank) each way (see the
+    module docstring). ``MoE.forward`` calls it instead of sorting copies."""
 
-    def __repr__(self) -> str:
-        return f"TokenExpertParallelDispatcher(degree={self.degree}, experts={self.num_experts})"
-
-    def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:
-        """Nothing is dropped."""
-        return torch.zeros_like(counts)
+    group: ProcessGroup
+    degree: int
+    num_experts: int
 
     def run_tokens(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor,
                    indices: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -93,7 +82,7 @@ class TokenExpertParallelDispatcher:
 
         ``x`` ``[N, D]`` tokens, ``weights``/``indices`` ``[N, k]`` the router's choices,
         ``counts`` ``[E]`` int64 copies per (global) expert."""
-        ranks, local = self.degree, self.local
+        ranks, local = self.degree, self.num_experts // self.degree
         n, dim = x.shape
         k = indices.shape[1]
         if counts.numel() != self.num_experts:
