@@ -122,9 +122,12 @@ class TokenExchange:
         x_local = _SpreadGather.apply(x_got, order // k, order, (got, k), 1)
         y_local = experts(x_local, counts_local)
         out_dim = y_local.shape[-1]
-        y_slots = y_local.new_zeros(got * k, out_dim).index_put((order,), y_local)
-        partial = torch.bmm(w_got.to(y_slots.dtype).unsqueeze(1),
-                            y_slots.view(got, k, out_dim)).squeeze(1)  # [R, D] one per token
+        # weigh the copies, then sum each received token's copies in a [R, k] slot grid (its
+        # empty slots zero): autograd keeps the experts' outputs and weights ([C] rows), not
+        # the grid
+        weighted = y_local * w_got.reshape(-1)[order].to(y_local.dtype).unsqueeze(1)
+        slots = weighted.new_zeros(got * k, out_dim).index_put((order,), weighted)
+        partial = slots.view(got, k, out_dim).sum(1)  # [R, D] one row per received token
         back = all_to_all_v(partial, in_splits, out_splits, self.group)  # [S, D]
         placed = back.new_zeros(ranks * n, out_dim).index_put((pos,), back)
         return placed.view(ranks, n, out_dim).sum(0)
