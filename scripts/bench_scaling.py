@@ -310,9 +310,11 @@ def moe_4gpu() -> list[Point]:
               workload="text", estimate_s=80),
         # the toy rows with the encoders replicated (no per-block FSDP collectives) and not
         # checkpointed: how much of the media path's fixed cost those take
-        Point("moe_30B-A3B_12L_8k_ep4_toy_exact_encoders_replicated_no_ac", MOE, 4, 8192,
-              cut + _ep(4) + ("--parallelism.encoder_fsdp_mesh", "none",
-                              "--omni.encoder_activation_checkpoint", "none"), estimate_s=80),
+        *[Point(f"moe_30B-A3B_12L_8k_ep4_{workload}_exact_encoders_replicated_no_ac", MOE, 4,
+                8192, cut + _ep(4) + ("--parallelism.encoder_fsdp_mesh", "none",
+                                      "--omni.encoder_activation_checkpoint", "none"),
+                workload=workload, estimate_s=80)
+          for workload in ("toy", "realistic")],
         point("8k_ep2_text_cap1.25", 8192, _ep(2) + best, "text"),
         point("8k_ep4_toy_cap1.25", 8192, _ep(4) + best, "toy"),
     ]
