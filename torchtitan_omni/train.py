@@ -407,6 +407,8 @@ def run_cli(trainer_cls: type[OmniTrainer] | None = None) -> NoReturn:
     try:
         main(trainer_cls=trainer_cls)
     except SystemExit as e:  # the one-line errors of bad input
+        if isinstance(e.code, str):  # what the interpreter would print on its way out
+            print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         exit_without_finalization(code)
     exit_without_finalization(0)

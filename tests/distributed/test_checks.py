@@ -55,83 +55,68 @@ def _config(*args):
     )
 
 
+def _refused(cfg, world_size: int, match: str) -> None:
+    """``validate_job_config`` refuses ``cfg`` with one line matching ``match``."""
+    with pytest.raises(ConfigError, match=match) as e:
+        validate_job_config(cfg, world_size=world_size)
+    assert "\n" not in str(e.value)
+
+
 def test_validate_job_config_layouts():
     cfg = _config()
     cfg.parallelism.ulysses_degree = 2
     validate_job_config(cfg, world_size=2)
     validate_job_config(cfg, world_size=4)  # dp_shard -1 -> 2
     cfg.parallelism.data_parallel_shard_degree = 2
-    with pytest.raises(ConfigError, match="does not match the world size 2"):
-        validate_job_config(cfg, world_size=2)
+    _refused(cfg, 2, "does not match the world size 2")
     cfg.parallelism.data_parallel_shard_degree = -1
     cfg.parallelism.ulysses_degree = 3
-    with pytest.raises(ConfigError, match="ulysses") as e:
-        validate_job_config(cfg, world_size=3)
-    assert "\n" not in str(e.value)
+    _refused(cfg, 3, "ulysses")
     cfg.parallelism.ulysses_degree = 1
     cfg.parallelism.expert_parallel_degree = 2
-    with pytest.raises(ConfigError, match="expert_parallel_degree") as e:
-        validate_job_config(cfg, world_size=2)  # the synthetic model has no experts
+    _refused(cfg, 2, "expert_parallel_degree")  # the synthetic model has no experts
     cfg.parallelism.expert_parallel_degree = 1
     for bad in (-1.0, float("nan"), float("inf")):
         cfg.parallelism.expert_capacity_factor = bad
-        with pytest.raises(ConfigError, match="expert_capacity_factor must be >= 0") as e:
-            validate_job_config(cfg, world_size=1)
-        assert "\n" not in str(e.value)
+        _refused(cfg, 1, "expert_capacity_factor must be >= 0")
     cfg.parallelism.expert_capacity_factor = 1.0
-    with pytest.raises(ConfigError, match="expert_capacity_factor is 1.0 but .* no experts"):
-        validate_job_config(cfg, world_size=1)  # the synthetic model has no experts
+    # the synthetic model has no experts
+    _refused(cfg, 1, "expert_capacity_factor is 1.0 but .* no experts")
     cfg.parallelism.expert_capacity_factor = 0.0
     for bad in (0, -2):
         cfg.parallelism.expert_dispatch_chunks = bad
-        with pytest.raises(ConfigError, match="expert_dispatch_chunks must be >= 1") as e:
-            validate_job_config(cfg, world_size=1)
-        assert "\n" not in str(e.value)
+        _refused(cfg, 1, "expert_dispatch_chunks must be >= 1")
     cfg.parallelism.expert_dispatch_chunks = 2  # with the exact dispatcher (factor 0)
-    with pytest.raises(ConfigError, match="expert_dispatch_chunks is 2 but "
-                                          "expert_capacity_factor is 0") as e:
-        validate_job_config(cfg, world_size=1)
-    assert "\n" not in str(e.value)
+    _refused(cfg, 1, "expert_dispatch_chunks is 2 but expert_capacity_factor is 0")
     cfg.parallelism.expert_dispatch_chunks = 1
     # capacity-padded MoE without expert parallel: nothing to exchange, so chunks are refused
     moe = OmniConfigManager().parse_args(
         ["--job.config_file", "train_configs/qwen3_moe_omni_debug.toml"])
     moe.parallelism.expert_capacity_factor, moe.parallelism.expert_dispatch_chunks = 1.25, 2
-    with pytest.raises(ConfigError, match="expert_dispatch_chunks is 2 but "
-                                          "expert_parallel_degree is 1") as e:
-        validate_job_config(moe, world_size=1)
-    assert "\n" not in str(e.value)
+    _refused(moe, 1, "expert_dispatch_chunks is 2 but expert_parallel_degree is 1")
     moe.parallelism.expert_parallel_degree = 2
     validate_job_config(moe, world_size=2)
     # keeping the expert exchanges through the recompute: refused where there is none
     moe.parallelism.expert_ac_keep_exchanges = True
     moe.activation_checkpoint.mode = "none"
-    with pytest.raises(ConfigError, match="expert_ac_keep_exchanges needs activation_"):
-        validate_job_config(moe, world_size=2)
+    _refused(moe, 2, "expert_ac_keep_exchanges needs activation_")
     moe.activation_checkpoint.mode = "full"
     validate_job_config(moe, world_size=2)
     moe.parallelism.expert_parallel_degree, moe.parallelism.expert_dispatch_chunks = 1, 1
-    with pytest.raises(ConfigError, match="expert_ac_keep_exchanges needs expert_parallel_"):
-        validate_job_config(moe, world_size=2)
+    _refused(moe, 2, "expert_ac_keep_exchanges needs expert_parallel_")
     moe.parallelism.expert_ac_keep_exchanges = False
     # the token dispatch: exact and expert-parallel only
     moe.parallelism.expert_dispatch = "tokens"
-    with pytest.raises(ConfigError, match="expert_dispatch 'tokens' needs expert_parallel_"):
-        validate_job_config(moe, world_size=2)
+    _refused(moe, 2, "expert_dispatch 'tokens' needs expert_parallel_")
     moe.parallelism.expert_parallel_degree = 2
-    with pytest.raises(ConfigError, match="'tokens' is exact only, but expert_capacity_factor "
-                                          "is 1.25") as e:
-        validate_job_config(moe, world_size=2)
-    assert "\n" not in str(e.value)
+    _refused(moe, 2, "'tokens' is exact only, but expert_capacity_factor is 1.25")
     moe.parallelism.expert_capacity_factor = 0.0
     validate_job_config(moe, world_size=2)
     cfg.activation_checkpoint.mode = "memory_budget"
-    with pytest.raises(ConfigError, match="memory_budget"):
-        validate_job_config(cfg, world_size=1)
+    _refused(cfg, 1, "memory_budget")
     cfg.activation_checkpoint.mode = "selective"
     cfg.activation_checkpoint.selective_ac_option = "every"
-    with pytest.raises(ConfigError, match="selective_ac_option"):
-        validate_job_config(cfg, world_size=1)
+    _refused(cfg, 1, "selective_ac_option")
 
 
 def test_split_bounds_and_item_slicing():

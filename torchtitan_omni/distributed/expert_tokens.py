@@ -115,7 +115,7 @@ class TokenExchange:
         x_got, ids_got, w_got = received.split([dim, k, k], dim=1)
         with torch.no_grad():
             slot_ids = ids_got.round().to(torch.int64).reshape(-1)  # [R * k], -1: not here
-            key = torch.where(slot_ids >= 0, slot_ids, torch.full_like(slot_ids, local))
+            key = torch.where(slot_ids >= 0, slot_ids, local)
             # the copies grouped by local expert (stable: by source rank, then token)
             order = torch.argsort(key, stable=True)[:copies]
             counts_local = recv[:, :local].sum(0)
