@@ -199,6 +199,8 @@ def _ep(n: int) -> tuple[str, ...]:
 
 #: exact EP dispatch sending each token once per rank (not every routed copy)
 TOKENS = ("--parallelism.expert_dispatch", "tokens")
+ONE_UNIT = ("--parallelism.encoder_fsdp_unit", "part")  # each encoder one FSDP unit
+NO_ENCODER_AC = ("--omni.encoder_activation_checkpoint", "none")
 
 
 def compiled(point: Point, estimate_s: int = 60) -> Point:
@@ -223,13 +225,19 @@ def omni_1gpu(layers: int = 16) -> list[Point]:
 
 
 def omni_2gpu() -> list[Point]:
-    """Two GPUs, full 8B, FSDP2: stock, text-only, realistic and toy at 8K, realistic at 32K
+    """Two GPUs, full 8B, FSDP2: stock, text-only, realistic and toy at 8K (toy and realistic
+    also with each encoder one FSDP unit), realistic at 32K
     with Ulysses SP2; then the 8K points compiled; last 64K, and 128K with the offloads."""
     eager = [
         Point("stock_llama3_8B_8k_fsdp2", "8B", 2, 8192, SEL, stock=True, estimate_s=80),
         Point("omni_8B_8k_text_only", LLAMA8B, 2, 8192, SEL, workload="text", estimate_s=90),
         Point("omni_8B_8k_realistic", LLAMA8B, 2, 8192, SEL, workload="realistic", estimate_s=100),
         Point("omni_8B_8k_toy", LLAMA8B, 2, 8192, SEL, workload="toy", estimate_s=90),
+        # the encoders as one FSDP unit each (parallelism.encoder_fsdp_unit "part")
+        Point("omni_8B_8k_toy_encoder_unit_part", LLAMA8B, 2, 8192, SEL + ONE_UNIT,
+              workload="toy", estimate_s=90),
+        Point("omni_8B_8k_realistic_encoder_unit_part", LLAMA8B, 2, 8192, SEL + ONE_UNIT,
+              workload="realistic", estimate_s=100),
     ]
     # full AC: 16K tokens per rank next to 71 GiB of sharded fp32 states and AdamW moments
     long = Point("omni_8B_32k_sp2_full_ac_realistic", LLAMA8B, 2, 32768, FULL + _sp(2),
@@ -275,8 +283,9 @@ def moe_4gpu() -> list[Point]:
     call's baseline (also at 16K, on the toy rows and on realistic rows at 8K and 32K: capacity
     drops about half the media copies at random init); the exact dispatcher with activation
     checkpointing kept off its exchanges, and sending each token once per rank
-    (``expert_dispatch = "tokens"``: text at 8K and 16K, realistic rows at 8K); EP2 (experts
-    over 2 ranks, FSDP over 4) at 8K.
+    (``expert_dispatch = "tokens"``: text at 8K and 16K, realistic rows at 8K); the media
+    path's encoders replicated, as one FSDP unit each (``encoder_fsdp_unit = "part"``) or not
+    checkpointed, on toy and realistic rows; EP2 (experts over 2 ranks, FSDP over 4) at 8K.
     The first point also profiles its last step (host syncs per layer, where the time goes)."""
     cut = _layers(12) + FULL
     best = _cap(1.25)
@@ -291,8 +300,10 @@ def moe_4gpu() -> list[Point]:
         point("8k_ep4_realistic_cap1.25", 8192, _ep(4) + best, "realistic"),
         point("16k_ep4_text_cap1.25", 16384, _ep(4) + best, "text", steps=8),
         # the exact dispatcher eager: text at 8K and 16K, toy rows, realistic rows at 8K, 32K
+        # (text and toy at 8K profile their last step: where the media path's time goes)
         *[Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep4_{workload}_exact", MOE, 4, seq,
-                cut + _ep(4), workload=workload, estimate_s=80)
+                cut + _ep(4) + (profile if seq == 8192 and workload in ("text", "toy") else ()),
+                workload=workload, estimate_s=80)
           for seq, workload in ((8192, "text"), (16384, "text"), (8192, "toy"),
                                 (8192, "realistic"), (32768, "realistic"))],
         # full AC around the expert exchanges (no all-to-all in the recompute)
@@ -311,10 +322,18 @@ def moe_4gpu() -> list[Point]:
         # the toy rows with the encoders replicated (no per-block FSDP collectives) and not
         # checkpointed: how much of the media path's fixed cost those take
         *[Point(f"moe_30B-A3B_12L_8k_ep4_{workload}_exact_encoders_replicated_no_ac", MOE, 4,
-                8192, cut + _ep(4) + ("--parallelism.encoder_fsdp_mesh", "none",
-                                      "--omni.encoder_activation_checkpoint", "none"),
+                8192, cut + _ep(4) + ("--parallelism.encoder_fsdp_mesh", "none") + NO_ENCODER_AC,
                 workload=workload, estimate_s=80)
           for workload in ("toy", "realistic")],
+        # the encoders as one FSDP unit each (one gather per pass instead of one per block,
+        # parallelism.encoder_fsdp_unit), and encoder AC off alone: which of the two the
+        # replicated, unchecked encoders' 1.23x came from
+        *[Point(f"moe_30B-A3B_12L_8k_ep4_{workload}_exact_{tag}", MOE, 4, 8192,
+                cut + _ep(4) + flags, workload=workload, estimate_s=80)
+          for workload in ("toy", "realistic")
+          for tag, flags in (("encoder_unit_part", ONE_UNIT),
+                             ("encoder_unit_part_no_ac", ONE_UNIT + NO_ENCODER_AC),
+                             ("encoders_no_ac", NO_ENCODER_AC))],
         point("8k_ep2_text_cap1.25", 8192, _ep(2) + best, "text"),
         point("8k_ep4_toy_cap1.25", 8192, _ep(4) + best, "toy"),
     ]

@@ -14,9 +14,8 @@ import torch
 from tests.distributed import common as C
 from tests.harness import REPO, run_distributed
 from torchtitan_omni.config.manager import ConfigError, parse_config
-from torchtitan_omni.distributed.part_layouts import part_settings
-from torchtitan_omni.distributed.checks import parts_problem
-from torchtitan_omni.distributed.parallelize import part_mesh_choice
+from torchtitan_omni.distributed.part_layouts import part_mesh_choice, part_settings
+from torchtitan_omni.distributed.checks import fsdp_unit_problem, parts_problem
 from torchtitan_omni.protocols.modules import OmniEncoder
 from torchtitan_omni.protocols.plan import OmniParallelPlan, PartLayout
 
@@ -26,7 +25,8 @@ DEBUG_TOML = (REPO / "train_configs" / "llama_omni_debug.toml").read_text()
 MIXED = {
     "encoders.vision": {"fsdp_mesh": "none", "sequence_parallel": "balance",
                         "activation_checkpoint": "full"},
-    "encoders.audio": {"fsdp_mesh": "dp_shard", "sequence_parallel": "split"},
+    "encoders.audio": {"fsdp_mesh": "dp_shard", "fsdp_unit": "part",
+                       "sequence_parallel": "split"},
     "decoders.gen_image": {"fsdp_mesh": "dp_shard"},
 }
 MIXED_TOML = """
@@ -37,6 +37,7 @@ activation_checkpoint = "full"
 
 [parallelism.parts."encoders.audio"]
 fsdp_mesh = "dp_shard"
+fsdp_unit = "part"
 sequence_parallel = "split"
 
 [parallelism.parts."decoders.gen_image"]
@@ -69,9 +70,10 @@ def test_tables_override_the_global_keys_key_by_key(tmp_path, monkeypatch):
     assert (vision.fsdp_mesh, vision.sequence_parallel, vision.activation_checkpoint) == (
         "none", "balance", "full")
     audio = part_settings(cfg, "encoders.audio")  # activation_checkpoint: the global's
-    assert (audio.fsdp_mesh, audio.sequence_parallel, audio.activation_checkpoint) == (
-        "dp_shard", "split", "none")
-    assert audio.own == {"fsdp_mesh", "sequence_parallel"}
+    assert (audio.fsdp_mesh, audio.fsdp_unit, audio.sequence_parallel,
+            audio.activation_checkpoint) == ("dp_shard", "part", "split", "none")
+    assert audio.own == {"fsdp_mesh", "fsdp_unit", "sequence_parallel"}
+    assert part_settings(cfg, "encoders.vision").fsdp_unit == "block"  # the global's
     # the decoder's frozen VQ (a plan part of its own) inherits the decoder's table, not as
     # its own key
     vq = part_settings(cfg, "decoders.gen_image.vq")
@@ -111,9 +113,16 @@ def test_frozen_parts_keep_the_plan_mesh_unless_their_own_table_says_otherwise()
      "(did you mean 'encoders.vision'?)"),
     ('[parallelism.parts.llm]\nfsdp_mesh = "none"\n',
      'parallelism.parts."llm": the foundation is laid out by [activation_checkpoint]'),
-    ('[parallelism.parts."encoders.vision"]\nfsdp = "none"\n',
-     'unknown key parallelism.parts."encoders.vision".fsdp (keys: fsdp_mesh, '
+    ('[parallelism.parts."encoders.vision"]\nfsdp_mash = "none"\n',
+     'unknown key parallelism.parts."encoders.vision".fsdp_mash (keys: fsdp_mesh, fsdp_unit, '
      "sequence_parallel, activation_checkpoint, ranks) (did you mean 'fsdp_mesh'?) in "),
+    ('[parallelism.parts."encoders.vision"]\nfsdp_unit = "encoder"\n',
+     'parallelism.parts."encoders.vision".fsdp_unit must be one of \'block\', \'part\', '
+     "got 'encoder'"),
+    ('[parallelism.parts."decoders.gen_image"]\nfsdp_unit = "part"\n',
+     'parallelism.parts."decoders.gen_image".fsdp_unit: decoders take no fsdp_unit (a '
+     "decoder is called through its heads, not its forward, so its blocks stay units of their "
+     "own); set it on encoders"),
     ('[parallelism.parts."encoders.vision"]\nfsdp_mesh = "shard"\n',
      'parallelism.parts."encoders.vision".fsdp_mesh must be one of \'plan\', \'fsdp\', '
      "'dp_shard', 'none', got 'shard'"),
@@ -201,6 +210,26 @@ def test_a_mesh_for_a_part_outside_the_plan_cannot_act():
     assert parts_problem(model, cfg, 2) is None  # SP modes need no plan part
 
 
+def test_one_unit_encoders_are_refused_where_they_cannot_act():
+    blocks = PartLayout("encoders.audio", fsdp_units=("blocks.*",))
+    model = _meta_model(OmniParallelPlan(parts=(PartLayout("encoders.vision"), blocks)))
+    cfg = C.job_config(parallelism__encoder_fsdp_unit="part")
+    assert fsdp_unit_problem(model, cfg, 2) is None  # the audio blocks become one unit
+    assert fsdp_unit_problem(model, cfg, 1) == (
+        'parallelism.encoder_fsdp_unit = "part" cannot act: one data rank, nothing is '
+        "FSDP-sharded")
+    cfg.parallelism.parts = {"encoders.audio": {"fsdp_unit": "block"}}
+    assert fsdp_unit_problem(model, cfg, 2) == (  # vision alone: one unit already
+        'parallelism.encoder_fsdp_unit = "part" cannot act: no encoder is FSDP-sharded block '
+        'by block (none lists FSDP blocks, or each table says "block")')
+    cfg = C.job_config(parallelism__parts={"encoders.vision": {"fsdp_unit": "part"}})
+    assert fsdp_unit_problem(model, cfg, 2) == (
+        'parallelism.parts."encoders.vision".fsdp_unit = "part" cannot act: the parallel plan '
+        "of encoders.vision lists no FSDP blocks (it is one unit already)")
+    cfg.parallelism.parts = {"encoders.audio": {"fsdp_unit": "part"}}
+    assert fsdp_unit_problem(model, cfg, 2) is None
+
+
 # ----------------------------------------------------------------- llama_omni parity
 def _mixed_extra(model, ref, dims, cfg, grads, batches):
     """What was installed on each part, and the gradients (for the default-layout check)."""
@@ -224,11 +253,19 @@ def _mixed_extra(model, ref, dims, cfg, grads, batches):
                       isinstance(model.encoders["audio"], BalancedMediaEncoder),
                       any(is_checkpointed(b) for b in model.encoders["audio"].blocks),
                       mesh("encoders.audio.")),
+            "audio_units": _fsdp_units(model.encoders["audio"]),
+            "audio_blocks": len(model.encoders["audio"].blocks),
             "decoder": (mesh("decoders.gen_image.head."), mesh("decoders.gen_image.vq."))}
 
 
+def _fsdp_units(module) -> int:
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for m in module.modules())
+
+
 def _grads_extra(model, ref, dims, cfg, grads, batches):
-    return {"grads": grads}
+    return {"grads": grads, "audio_units": _fsdp_units(model.encoders["audio"])}
 
 
 def _default_vs_mixed(world, spec, name, dims_kw) -> dict:
@@ -255,6 +292,7 @@ def _default_vs_mixed(world, spec, name, dims_kw) -> dict:
     if "error" in base:
         return {"error": base["error"]}
     if "error" not in out:
+        out["default_audio_units"] = base["audio_units"]
         out["default_loss_err"] = max(C.rel_error(out["losses"][k], base["losses"][k])
                                       for k in base["losses"])
         out["default_grad_problems"] = C.compare(out.pop("grads"), base["grads"], RTOL)
@@ -286,6 +324,10 @@ def _assert_mixed_parity(results, name, sp: bool):
         assert out["vision"] == (True, True, ("replicate_all", "no_shard")), out["vision"]
         split, balanced, checkpointed, audio_mesh = out["audio"]
         assert split == sp and not balanced and not checkpointed, out["audio"]
+        # fsdp_unit "part": the audio encoder is one FSDP unit, not one per block
+        assert out["audio_units"] == 1, out["audio_units"]
+        # the default: each block, the projector and the encoder
+        assert out["default_audio_units"] == out["audio_blocks"] + 2, out["default_audio_units"]
         # dp_shard: over the data ranks only, replicated over SP ("fsdp" without SP)
         dp_shard = ("replicate_dp_sp", "dp_shard_only") if sp else ("fsdp",)
         assert audio_mesh == dp_shard, out["audio"]
@@ -394,7 +436,7 @@ def test_run_train_with_part_tables_matches_default(tmp_path):
     out = runs["mixed"].output
     assert "Encoders split media items over SP ranks: audio" in out
     assert "Encoders balance media items over 2 ranks: vision" in out
-    assert "encoders.vision: none, encoders.audio: dp_shard" in out
+    assert "encoders.vision: none, encoders.audio: dp_shard, one unit" in out
     for step in range(1, STEPS + 1):
         base, mix = runs["default"], runs["mixed"]
         assert abs(mix.losses[step] - base.losses[step]) <= 1e-5, (base.losses, mix.losses)

@@ -4,6 +4,7 @@ A table is keyed by a part's qualified name as the model names it (``"encoders.v
 ``"decoders.gen_image"``: the names ``omni.freeze`` and ``weights.sources`` take) and may set
 
 - ``fsdp_mesh``: as ``parallelism.encoder_fsdp_mesh`` ("plan", "fsdp", "dp_shard", "none");
+- ``fsdp_unit``: as ``parallelism.encoder_fsdp_unit`` ("block", "part");
 - ``sequence_parallel`` (encoders only): as ``parallelism.encoder_sequence_parallel``
   ("replicate", "split", "balance");
 - ``activation_checkpoint``: as ``omni.encoder_activation_checkpoint`` ("none", "full", "op").

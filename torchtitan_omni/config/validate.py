@@ -31,7 +31,7 @@ from torchtitan_omni.config.values import Context
 from torchtitan_omni.data.default_dataset import DEFAULT_NAME
 from torchtitan_omni.data.loader import build_omni_dataloader, check_data_config
 from torchtitan_omni.data.tokenizer import tokenizer_folder
-from torchtitan_omni.distributed.checks import parts_problem, plan_problem
+from torchtitan_omni.distributed.checks import fsdp_unit_problem, parts_problem, plan_problem
 from torchtitan_omni.distributed.rank_sets import encoder_ranks_of
 from torchtitan_omni.errors import ConfigError, OmniInputError
 from torchtitan_omni.lora import apply_lora_config
@@ -263,17 +263,19 @@ def _validate_plan(spec, args, ulysses_degree: int, ep_degree: int,
 
 
 def _validate_parts(cfg: JobConfig, spec, args, degrees: dict[str, int]) -> None:
-    """The per-part layouts (``parallelism.parts``) and the encoders' "balance" mode on the
-    model built on the meta device (``checks.parts_problem``)."""
+    """The per-part layouts (``parallelism.parts``), the encoders' "balance" mode and
+    ``fsdp_unit`` "part" on the model built on the meta device (``checks.parts_problem``,
+    ``checks.fsdp_unit_problem``)."""
     encoder_ranks = (degrees["data_parallel_replicate_degree"]
                      * degrees["data_parallel_shard_degree"] * degrees["ulysses_degree"])
     balance = encoder_ranks > 1 and (
         cfg.parallelism.encoder_sequence_parallel == "balance"
         or any(t.get("sequence_parallel") == "balance" for t in cfg.parallelism.parts.values()))
-    if not (cfg.parallelism.parts or balance):
+    if not (cfg.parallelism.parts or balance or cfg.parallelism.encoder_fsdp_unit != "block"):
         return
     model = _model_on_meta(spec, args)
     problem = (parts_problem(model, cfg, encoder_ranks)
+               or fsdp_unit_problem(model, cfg, encoder_ranks)
                or model_ranks_problem(cfg, list(getattr(model, "encoders", None) or {})))
     if problem:
         raise ConfigError(problem)

@@ -4,7 +4,8 @@ Model specs call :func:`ulysses_problem` and :func:`expert_problem` from their a
 ``validate_parallelism``; ``torchtitan_omni.config.validate`` also runs :func:`plan_problem`
 on the model built on the meta device, so a spec that forgets a check still fails at start-up,
 not in the middle of the first step, and :func:`parts_problem`, which checks the per-part
-layouts (``parallelism.parts``) against the parts the model has.
+layouts (``parallelism.parts``) against the parts the model has, and
+:func:`fsdp_unit_problem` (``fsdp_unit`` "part" where it could not act).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from torchtitan_omni.distributed.part_layouts import DECODERS, ENCODER_ONLY, key_name, part_settings
+from torchtitan_omni.distributed.part_layouts import (
+    DECODERS, ENCODER_ONLY, key_name, part_is_one_unit, part_settings)
 from torchtitan_omni.distributed.parallelize import matching_modules
 from torchtitan_omni.protocols.modules import OmniEncoder
 
@@ -112,10 +114,10 @@ def parts_problem(model: nn.Module, job_config: Any, encoder_ranks: int) -> str 
         if part not in names:
             return _unknown_part(model, part, names)
         if part.startswith(DECODERS):
-            for key in ENCODER_ONLY:
+            for key, why in ENCODER_ONLY.items():
                 if key in table:
-                    return (f"{key_name(part, key)}: decoders take no {key} (it chooses which "
-                            "ranks encode an encoder's media items); set it on encoders")
+                    return (f"{key_name(part, key)}: decoders take no {key} ({why}); set it "
+                            "on encoders")
         own = [p for p in layouts if p.root == part or p.root.startswith(part + ".")]
         if "fsdp_mesh" in table and not own:
             return (f"{key_name(part, 'fsdp_mesh')} cannot act: {type(model).__name__}'s "
@@ -135,4 +137,33 @@ def parts_problem(model: nn.Module, job_config: Any, encoder_ranks: int) -> str 
                        else "parallelism.encoder_sequence_parallel")
                 return (f'{key} = "balance" needs encoders with output_rows; {part} '
                         f"({type(encoder).__name__}) has none")
+    return None
+
+
+def fsdp_unit_problem(model: nn.Module, job_config: Any, data_ranks: int) -> str | None:
+    """``fsdp_unit = "part"`` (``parallelism.encoder_fsdp_unit`` or an encoder's table) where
+    it could not act, or None: one data rank (no FSDP), an encoder's own table on an encoder
+    without blocks of its own, the global key when no encoder has blocks to merge."""
+    tables = job_config.parallelism.parts or {}
+    own = [part for part, table in tables.items() if table.get("fsdp_unit") == "part"]
+    global_key = job_config.parallelism.encoder_fsdp_unit == "part"
+    if not (own or global_key):
+        return None
+    key = key_name(own[0], "fsdp_unit") if own else "parallelism.encoder_fsdp_unit"
+    if data_ranks == 1:
+        return f'{key} = "part" cannot act: one data rank, nothing is FSDP-sharded'
+    plan = getattr(model, "parallel_plan", None)
+    layouts = plan.parts if plan is not None else ()
+
+    def has_blocks(part: str) -> bool:
+        return any(p.fsdp_units or p.fsdp_groups for p in layouts if p.root == part)
+
+    for part in own:
+        if not has_blocks(part):
+            return (f'{key_name(part, "fsdp_unit")} = "part" cannot act: the parallel plan of '
+                    f"{part} lists no FSDP blocks (it is one unit already)")
+    if global_key and not any(has_blocks(p.root) for p in layouts
+                              if part_is_one_unit(p, job_config)):
+        return ('parallelism.encoder_fsdp_unit = "part" cannot act: no encoder is FSDP-sharded '
+                "block by block (none lists FSDP blocks, or each table says \"block\")")
     return None

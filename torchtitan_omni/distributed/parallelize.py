@@ -18,10 +18,11 @@ Order (each step reads the spec's ``OmniParallelPlan``):
    activation offload of the LLM's blocks (``omni.activation_offload``);
 6. FSDP2: experts over the expert mesh, then each part's groups (modules sharing a
    parameter, one ``fully_shard`` of a list), units and the part over the part's mesh (its
-   ``fsdp_mesh``), then the root. Every reduction is a plain sum (the loss is already divided
-   by the global target count; gloo has no AVG/PREMUL_SUM).
+   ``fsdp_mesh``; with ``fsdp_unit`` "part" the part alone), then the root. Every reduction
+   is a plain sum (the loss is already divided by the global target count; gloo has no
+   AVG/PREMUL_SUM).
 
-An encoder's or decoder's layout keys (``fsdp_mesh``, ``sequence_parallel``,
+An encoder's or decoder's layout keys (``fsdp_mesh``, ``fsdp_unit``, ``sequence_parallel``,
 ``activation_checkpoint``) come from its ``[parallelism.parts."<part>"]`` table, else from the
 global keys (``torchtitan_omni.distributed.part_layouts.part_settings``); the model code stays
 layout-free.
@@ -44,7 +45,9 @@ from torch.distributed.tensor import Shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.tools.logging import logger
 
-from torchtitan_omni.distributed.part_layouts import part_settings
+from torchtitan_omni.distributed.part_layouts import (
+    is_llm_part, part_is_one_unit, part_mesh_choice, part_settings,
+)
 from torchtitan_omni.data.packing import BatchPlan
 from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
 from torchtitan_omni.distributed.activation_offload import offload_activations
@@ -74,11 +77,6 @@ def matching_modules(
         if any(name_matches(rel, pat) for pat in patterns):
             out.append((name, module))
     return out
-
-
-def is_llm_part(part: PartLayout) -> bool:
-    """The foundation (``[activation_checkpoint]``) vs. encoders and decoders."""
-    return part.root == "llm" or part.root.startswith("llm.")
 
 
 # ----------------------------------------------------------------- mixed precision
@@ -124,21 +122,6 @@ def apply_ulysses(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDi
 
 
 # ----------------------------------------------------------------- FSDP
-def part_mesh_choice(part: PartLayout, module: nn.Module, job_config: JobConfig) -> str:
-    """The FSDP mesh ("fsdp", "dp_shard", "none") of plan part ``part`` (``module``)."""
-    if is_llm_part(part):
-        return part.mesh
-    settings = part_settings(job_config, part.root)
-    # A wholly frozen part keeps the plan's mesh under a key that is not its own (the global
-    # key, a decoder's table for its sub-part): the spec replicated it on purpose (e.g. a
-    # frozen VQ tokenizer: sharding it would add an all-gather per step and save no optimizer
-    # state). Its own table's fsdp_mesh is the user's choice for exactly this part.
-    frozen = not any(p.requires_grad for p in module.parameters())
-    if settings.fsdp_mesh == "plan" or (frozen and "fsdp_mesh" not in settings.own):
-        return part.mesh
-    return settings.fsdp_mesh
-
-
 def _expert_shard_placement(local_experts: int, efsdp: int, params: list[nn.Parameter]):
     # Shard experts on dim 0 when each efsdp rank gets whole experts, else on dim 1 (even).
     if local_experts % efsdp == 0:
@@ -208,15 +191,17 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
         for name, module in fp32:
             if name == part.root or name.startswith(prefix):
                 shard(module, mesh)
-        for patterns in part.fsdp_groups:
-            members = [m for _, m in matching_modules(model, part.root, patterns)]
-            if members:
-                shard(members, mesh)
-        for _, module in matching_modules(model, part.root, part.fsdp_units):
-            shard(module, mesh)
+        one_unit = part_is_one_unit(part, job_config)
+        if not one_unit:
+            for patterns in part.fsdp_groups:
+                members = [m for _, m in matching_modules(model, part.root, patterns)]
+                if members:
+                    shard(members, mesh)
+            for _, module in matching_modules(model, part.root, part.fsdp_units):
+                shard(module, mesh)
         shard(root, mesh)
         _prefetch_next_block(model, part)
-        choices[part.root] = choice
+        choices[part.root] = f"{choice}, one unit" if one_unit else choice
     for _, module in fp32:
         shard(module, default_mesh)  # fp32 modules outside every part
     fully_shard(model, mesh=default_mesh, mp_policy=mp, reshard_after_forward=False,
