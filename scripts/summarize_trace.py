@@ -2,8 +2,11 @@
 
 Prints the step's wall time, the GPU kernel time (and so how idle the GPU was), the kernel
 time by kind (matrix products, attention, communication, the rest), the top kernels, the
-longest idle gaps and the host syncs (CUDA ``*Synchronize`` calls, by the host op that made
-them: a sync per MoE layer, say, shows as one op's count equal to the layer count).
+longest idle gaps, the host syncs (CUDA ``*Synchronize`` calls, by the host op that made
+them: a sync per MoE layer, say, shows as one op's count equal to the layer count) and the
+GPU timeline by part of the model (the LLM, each encoder, the optimizer; forward and backward):
+how long each held the GPU, how much of that it computed and how long the GPU sat idle
+waiting for it.
 Traces come from TorchTitan's profiler, e.g. ``--profiling.enable_profiling
 --profiling.profile_freq 6`` writes ``<dump_folder>/profile_traces/iteration_6/rank0_trace.json``.
 
@@ -13,6 +16,7 @@ Traces come from TorchTitan's profiler, e.g. ``--profiling.enable_profiling
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 from collections import defaultdict
@@ -59,6 +63,7 @@ def summarize(path: str, top: int = 20) -> str:
         lines.append(f"  {dur / 1e3:9.1f} ms  {name}")
     lines += idle_gaps(events, kernels, top)
     lines += host_syncs(events, start, start + wall_us)
+    lines += by_part(events, kernels)
     return "\n".join(lines)
 
 
@@ -124,6 +129,103 @@ def host_syncs(events: list[dict], start: float, stop: float) -> list[str]:
         by_op[f"{sync['name']} in {caller}"[:100]] += 1
     out = [f"  host syncs in the GPU window: {len(syncs)}"]
     out += [f"  {n:9d}x  {name}" for name, n in sorted(by_op.items(), key=lambda kv: -kv[1])]
+    return out
+
+
+#: FSDP2's profiler ranges that open a unit's work: "FSDP::pre_forward (llm.layers.3)"
+FSDP_MARK = re.compile(r"^FSDP::(pre_forward|pre_backward) \(([^)]*)\)")
+OPTIMIZER = "Optimizer.step#"
+AUTOGRAD = "autograd::engine::evaluate_function"
+
+
+def part_of(fqn: str) -> str:
+    """The model part an FSDP unit belongs to: "encoders.vision" for its blocks, "llm" for
+    the foundation's layers and experts."""
+    segments = fqn.split(".")
+    return ".".join(segments[:2]) if segments[0] in ("encoders", "decoders") else segments[0]
+
+
+def _phase_marks(events: list[dict]) -> dict:
+    """Per host thread, the time-ordered ``(ts, (part, pass))`` at which its work switches: an
+    FSDP unit's pre-forward or pre-backward (a pre-forward inside the autograd engine is an
+    activation-checkpoint recompute: backward), an optimizer step and its end (back to the
+    unit before it)."""
+    autograd: dict = defaultdict(list)
+    for e in events:
+        if str(e.get("name", "")).startswith(AUTOGRAD) and "dur" in e:
+            autograd[e.get("tid")].append((e["ts"], e["ts"] + e["dur"]))
+    raw: dict = defaultdict(list)
+    for e in events:
+        name, tid = str(e.get("name", "")), e.get("tid")
+        if e.get("cat") not in ("user_annotation", "cpu_op", "python_function"):
+            continue
+        if name.startswith(OPTIMIZER) and "dur" in e:
+            raw[tid] += [(e["ts"], ("optimizer", "step")), (e["ts"] + e["dur"], None)]
+            continue
+        match = FSDP_MARK.match(name)
+        if match:
+            backward = match.group(1) == "pre_backward" or any(
+                a <= e["ts"] <= b for a, b in autograd.get(tid, ()))
+            raw[tid].append((e["ts"], (part_of(match.group(2)),
+                                       "backward" if backward else "forward")))
+    marks = {}
+    for tid, seq in raw.items():
+        resolved, unit = [], None
+        for at, mark in sorted(seq, key=lambda m: m[0]):
+            if mark is None:  # an optimizer step ended
+                resolved.append((at, unit))
+            else:
+                unit = unit if mark[0] == "optimizer" else mark
+                resolved.append((at, mark))
+        marks[tid] = resolved
+    return marks
+
+
+def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
+    """The compute stream's timeline by part and pass. Each kernel belongs to the phase its
+    launching host thread was in (the latest FSDP unit to start there); the time the GPU sat
+    idle before a kernel belongs to that kernel's phase (the GPU was waiting for its launch or
+    for its inputs), so the timelines add up to the GPU window of compute."""
+    marks = _phase_marks(events)
+    if not marks:
+        return ["  by part: no FSDP unit ranges in the trace (one GPU, or no FSDP)"]
+    starts = {tid: [at for at, _ in m] for tid, m in marks.items()}
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+
+    def phase(kernel: dict) -> tuple[str, str]:
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        if launch is None:
+            return ("(launch not recorded)", "")
+        tid = launch.get("tid")
+        at = bisect.bisect_right(starts.get(tid, []), launch["ts"]) - 1
+        found = marks[tid][at][1] if at >= 0 else None
+        return found or ("(before any unit)", "")
+
+    rows: dict = {}
+    cursor = None
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        row = rows.setdefault(phase(e), {"timeline": 0.0, "busy": 0.0, "comm": 0.0, "n": 0})
+        row["n"] += 1
+        if kind(e["name"]) == "communication":
+            row["comm"] += e["dur"]
+            continue
+        start, end = e["ts"], e["ts"] + e["dur"]
+        if cursor is not None and end <= cursor:
+            continue  # wholly under another compute kernel
+        idle = 0.0 if cursor is None else max(0.0, start - cursor)
+        busy = end - (start if cursor is None else max(start, cursor))
+        row["busy"] += busy
+        row["timeline"] += idle + busy
+        cursor = end
+    out = ["  by part (kernels by the FSDP unit their host thread was in; idle time goes to "
+           "the kernel that ran next):",
+           f"  {'part':24s} {'pass':9s} {'timeline':>10s} {'computing':>10s} {'idle':>9s} "
+           f"{'comm kernels':>13s} {'kernels':>8s}"]
+    for (part, pass_), r in rows.items():
+        out.append(f"  {part:24s} {pass_:9s} {r['timeline'] / 1e3:7.1f} ms "
+                   f"{r['busy'] / 1e3:7.1f} ms {(r['timeline'] - r['busy']) / 1e3:6.1f} ms "
+                   f"{r['comm'] / 1e3:10.1f} ms {r['n']:8d}")
     return out
 
 

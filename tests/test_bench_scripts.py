@@ -79,6 +79,54 @@ def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
     assert "1x  cudaStreamSynchronize in aten::_local_scalar_dense" in text
 
 
+def test_trace_summary_splits_the_timeline_by_part(tmp_path):
+    trace = _script("summarize_trace")
+
+    def host(name, ts, tid, dur=1, cat="user_annotation"):
+        return {"name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid}
+
+    def launch(corr, ts, tid):
+        return {"name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": ts, "dur": 1,
+                "tid": tid, "args": {"correlation": corr}}
+
+    def kernel(corr, ts, dur, name="nvjet_gemm"):
+        return {"name": name, "cat": "kernel", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    main, grad = 1, 2
+    events = [
+        host("FSDP::pre_forward (encoders.vision.blocks.0)", 0, main), launch(1, 1, main),
+        host("FSDP::pre_forward (llm.layers.0)", 10, main), launch(2, 11, main),
+        # the backward thread: a pre-backward, then a checkpoint's recompute (a pre-forward
+        # inside the autograd engine counts as backward)
+        host("FSDP::pre_backward (llm.layers.0)", 20, grad), launch(3, 21, grad),
+        host("autograd::engine::evaluate_function: CheckpointFunctionBackward", 29, grad, 10,
+             "cpu_op"),
+        host("FSDP::pre_forward (encoders.vision.blocks.0)", 30, grad), launch(4, 31, grad),
+        launch(7, 32, grad),
+        # the optimizer step, then the main thread is back in its latest unit
+        host("Optimizer.step#AdamW.step", 50, main, 10), launch(5, 52, main),
+        launch(6, 61, main),
+        kernel(1, 1000, 1000), kernel(2, 5000, 2000), kernel(3, 8000, 1000),
+        kernel(4, 9500, 500), kernel(7, 9600, 3000, "ncclDevKernel_AllGather_RING_LL"),
+        kernel(5, 12000, 1000), kernel(6, 13000, 500),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in
+            trace.summarize(str(path)).split("by part")[1].splitlines()[2:]}
+    # timeline, computing, idle, communication (ms) and kernels of each part and pass
+    expected = {
+        ("encoders.vision", "forward"): ["1.0", "1.0", "0.0", "0.0", "1"],
+        ("llm", "forward"): ["5.5", "2.5", "3.0", "0.0", "2"],
+        ("llm", "backward"): ["2.0", "1.0", "1.0", "0.0", "1"],
+        ("encoders.vision", "backward"): ["1.0", "0.5", "0.5", "3.0", "2"],
+        ("optimizer", "step"): ["3.0", "1.0", "2.0", "0.0", "1"],
+    }
+    assert {k: [x for x in v if x != "ms"] for k, v in rows.items()} == expected, rows
+    # the timelines add up to the compute window (1.0 to 13.5 ms)
+    assert sum(float(v[0]) for v in expected.values()) == 12.5
+
+
 def _omni_line(step: int, stamp: str, tps: int) -> str:
     return (f"[rank0]:[titan] 2026-11-23 {stamp} - root - INFO - step: {step}  loss:  7.1 "
             f"(text: 7.1)  grad_norm:  4.2  memory: 70.00GiB(50.00%)  tps: {tps:,}  "
