@@ -285,7 +285,8 @@ def moe_4gpu() -> list[Point]:
     checkpointing kept off its exchanges, and sending each token once per rank
     (``expert_dispatch = "tokens"``: text at 8K and 16K, realistic rows at 8K); the media
     path's encoders replicated, as one FSDP unit each (``encoder_fsdp_unit = "part"``) or not
-    checkpointed, on toy and realistic rows; EP2 (experts over 2 ranks, FSDP over 4) at 8K.
+    checkpointed, on toy and realistic rows; EP4 with Ulysses SP2 at 32K and SP4 at 64K; EP2
+    (experts over 2 ranks, FSDP over 4) at 8K.
     The first point also profiles its last step (host syncs per layer, where the time goes)."""
     cut = _layers(12) + FULL
     best = _cap(1.25)
@@ -334,6 +335,11 @@ def moe_4gpu() -> list[Point]:
           for tag, flags in (("encoder_unit_part", ONE_UNIT),
                              ("encoder_unit_part_no_ac", ONE_UNIT + NO_ENCODER_AC),
                              ("encoders_no_ac", NO_ENCODER_AC))],
+        # EP x Ulysses x FSDP at long context: 16K positions per GPU at 32K (SP2) and 64K (SP4)
+        *[Point(f"moe_30B-A3B_12L_{seq // 1024}k_sp{sp}_ep4_{workload}_exact", MOE, 4, seq,
+                cut + _ep(4) + _sp(sp), workload=workload, steps=6, warmup=2, estimate_s=100)
+          for seq, sp, workload in ((32768, 2, "text"), (32768, 2, "realistic"),
+                                    (65536, 4, "text"))],
         point("8k_ep2_text_cap1.25", 8192, _ep(2) + best, "text"),
         point("8k_ep4_toy_cap1.25", 8192, _ep(4) + best, "toy"),
     ]
