@@ -329,8 +329,12 @@ def moe_4gpu() -> list[Point]:
         # the encoders as one FSDP unit each (one gather per pass instead of one per block,
         # parallelism.encoder_fsdp_unit), and encoder AC off alone: which of the two the
         # replicated, unchecked encoders' 1.23x came from
+        # (the toy rows with one unit per encoder profile their last step, next to the toy
+        # point's profile above)
         *[Point(f"moe_30B-A3B_12L_8k_ep4_{workload}_exact_{tag}", MOE, 4, 8192,
-                cut + _ep(4) + flags, workload=workload, estimate_s=80)
+                cut + _ep(4) + flags
+                + (profile if (workload, tag) == ("toy", "encoder_unit_part") else ()),
+                workload=workload, estimate_s=80)
           for workload in ("toy", "realistic")
           for tag, flags in (("encoder_unit_part", ONE_UNIT),
                              ("encoder_unit_part_no_ac", ONE_UNIT + NO_ENCODER_AC),
