@@ -117,6 +117,9 @@ REFUSALS = [
     (NC, ("--model.converters", "float8"), "model.converters: model converters"),
     (NC, ("--training.enable_cpu_offload",), "training.enable_cpu_offload: CPU offload"),
     (NC, ("--omni.activation_offload",), "omni.activation_offload: activation offload"),
+    # one encoder rank: the encoders are not FSDP-sharded, one unit or not
+    (NC, ("--parallelism.encoder_fsdp_unit", "part"),
+     'parallelism.encoder_fsdp_unit = "part" cannot act: the encoders run on one rank'),
 ]
 
 

@@ -216,8 +216,8 @@ def test_one_unit_encoders_are_refused_where_they_cannot_act():
     cfg = C.job_config(parallelism__encoder_fsdp_unit="part")
     assert fsdp_unit_problem(model, cfg, 2) is None  # the audio blocks become one unit
     assert fsdp_unit_problem(model, cfg, 1) == (
-        'parallelism.encoder_fsdp_unit = "part" cannot act: one data rank, nothing is '
-        "FSDP-sharded")
+        'parallelism.encoder_fsdp_unit = "part" cannot act: the encoders run on one rank, '
+        "nothing is FSDP-sharded")
     cfg.parallelism.parts = {"encoders.audio": {"fsdp_unit": "block"}}
     assert fsdp_unit_problem(model, cfg, 2) == (  # vision alone: one unit already
         'parallelism.encoder_fsdp_unit = "part" cannot act: no encoder is FSDP-sharded block '

@@ -274,8 +274,10 @@ def _validate_parts(cfg: JobConfig, spec, args, degrees: dict[str, int]) -> None
     if not (cfg.parallelism.parts or balance or cfg.parallelism.encoder_fsdp_unit != "block"):
         return
     model = _model_on_meta(spec, args)
+    # non-colocated encoders are sharded over their own ranks only
+    own_ranks = len(encoder_ranks_of(cfg.parallelism)) or encoder_ranks
     problem = (parts_problem(model, cfg, encoder_ranks)
-               or fsdp_unit_problem(model, cfg, encoder_ranks)
+               or fsdp_unit_problem(model, cfg, own_ranks)
                or model_ranks_problem(cfg, list(getattr(model, "encoders", None) or {})))
     if problem:
         raise ConfigError(problem)

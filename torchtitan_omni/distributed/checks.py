@@ -142,8 +142,9 @@ def parts_problem(model: nn.Module, job_config: Any, encoder_ranks: int) -> str 
 
 def fsdp_unit_problem(model: nn.Module, job_config: Any, data_ranks: int) -> str | None:
     """``fsdp_unit = "part"`` (``parallelism.encoder_fsdp_unit`` or an encoder's table) where
-    it could not act, or None: one data rank (no FSDP), an encoder's own table on an encoder
-    without blocks of its own, the global key when no encoder has blocks to merge."""
+    it could not act, or None: the encoders on one rank (``data_ranks``: the data x SP ranks,
+    or the non-colocated encoder ranks; no FSDP), an encoder's own table on an encoder without
+    blocks of its own, the global key when no encoder has blocks to merge."""
     tables = job_config.parallelism.parts or {}
     own = [part for part, table in tables.items() if table.get("fsdp_unit") == "part"]
     global_key = job_config.parallelism.encoder_fsdp_unit == "part"
@@ -151,7 +152,7 @@ def fsdp_unit_problem(model: nn.Module, job_config: Any, data_ranks: int) -> str
         return None
     key = key_name(own[0], "fsdp_unit") if own else "parallelism.encoder_fsdp_unit"
     if data_ranks == 1:
-        return f'{key} = "part" cannot act: one data rank, nothing is FSDP-sharded'
+        return f'{key} = "part" cannot act: the encoders run on one rank, nothing is FSDP-sharded'
     plan = getattr(model, "parallel_plan", None)
     layouts = plan.parts if plan is not None else ()
 
