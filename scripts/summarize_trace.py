@@ -190,8 +190,10 @@ def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
     if not marks:
         return ["  by part: no FSDP unit ranges in the trace (one GPU, or no FSDP)"]
     starts = {tid: [at for at, _ in m] for tid, m in marks.items()}
+    # runtime launches, and driver launches (Triton's kernels, compiled code)
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
 
     def phase(kernel: dict) -> tuple[str, str]:
         launch = launches.get(kernel.get("args", {}).get("correlation"))

@@ -85,9 +85,11 @@ def test_trace_summary_splits_the_timeline_by_part(tmp_path):
     def host(name, ts, tid, dur=1, cat="user_annotation"):
         return {"name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid}
 
-    def launch(corr, ts, tid):
-        return {"name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": ts, "dur": 1,
-                "tid": tid, "args": {"correlation": corr}}
+    def launch(corr, ts, tid):  # a Triton kernel's launch is a driver call
+        cat, name = ("cuda_driver", "cuLaunchKernelEx") if corr == 6 else (
+            "cuda_runtime", "cudaLaunchKernel")
+        return {"name": name, "cat": cat, "ts": ts, "dur": 1, "tid": tid,
+                "args": {"correlation": corr}}
 
     def kernel(corr, ts, dur, name="nvjet_gemm"):
         return {"name": name, "cat": "kernel", "ts": ts, "dur": dur, "args": {"correlation": corr}}

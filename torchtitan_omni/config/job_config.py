@@ -41,7 +41,7 @@ class Parallelism:
     whole encoder one unit: one all-gather per forward and one per backward and one
     reduce-scatter per step, its whole parameters resident while it runs (about 1.3 GB in bf16
     for Qwen2-VL's vision tower). For media work too short to hide a collective per block.
-    Decoders keep their blocks' units. Refused where it cannot act (one data rank, an encoder
+    Decoders keep their blocks' units. Refused where it cannot act (encoders on one rank, an encoder
     without blocks). See docs/parallelism.md."""
 
     encoder_sequence_parallel: Literal["replicate", "split", "balance"] = "replicate"
