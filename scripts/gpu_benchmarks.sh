@@ -57,3 +57,8 @@ for table in "$out"/*.md; do
   echo "== $table"
   grep -v '^- `' "$table" | head -40
 done
+# each profiled step's headline and timeline by part (the whole summaries are in traces.txt)
+if [ -f "$out/traces.txt" ]; then
+  echo "== $out/traces.txt (by part)"
+  awk '/^[^ ]/ {print; show=0} /^  by part/ {show=1} show' "$out/traces.txt"
+fi
