@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from torchtitan_omni.modules.init import init_context
 from torchtitan_omni.modules.moe import (
-    GroupedExperts, MoE, gather_sorted, load_balancing_loss, sort_by_expert,
+    GroupedExperts, MoE, combine, gather_sorted, load_balancing_loss, sort_by_expert,
 )
 
 E, K, D, H = 6, 2, 16, 12
@@ -60,6 +60,29 @@ def test_sort_by_expert_groups_and_counts():
     assert torch.equal(flat[order], torch.sort(flat, stable=True).values)
     x = torch.randn(50, D, dtype=torch.float64)
     assert torch.equal(gather_sorted(x, order, K), x[order // K])
+
+
+def test_sorted_gather_and_combine_have_the_plain_indexing_gradients():
+    """The sort's gather and the combine's un-sort (row_maps: gathers and placements instead of
+    an index backward) give exactly the gradients of plain indexing."""
+    g = torch.Generator().manual_seed(8)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(30)])
+    order, _ = sort_by_expert(idx, E)
+    weights = torch.rand(30, K, dtype=torch.float64, generator=g)
+    up = torch.randn(30 * K, D, dtype=torch.float64, generator=g)
+    grads = []
+    for plain in (True, False):
+        x = torch.randn(30, D, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+        x.requires_grad_()
+        if plain:
+            inverse = torch.argsort(order)
+            routed = x[order // K]
+            out = torch.einsum("nk,nkd->nd", weights, (routed * up)[inverse].view(30, K, D))
+        else:
+            out = combine(gather_sorted(x, order, K) * up, order, weights)
+        out.pow(2).sum().backward()
+        grads.append((out.detach(), x.grad))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
 
 
 def test_experts_compute_with_a_slice_and_local_counts():

@@ -42,7 +42,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -52,20 +51,7 @@ from torchtitan_omni.distributed.comm import (
 from torchtitan_omni.distributed.expert_overlap import ChunkedExchange
 from torchtitan_omni.distributed.expert_tokens import TokenExchange, check_header_fits
 from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
-
-
-class _Permute(Function):
-    """``x[perm]`` whose backward is ``grad[inverse]`` (gathers only: deterministic)."""
-
-    @staticmethod
-    def forward(ctx, x, perm, inverse):
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+from torchtitan_omni.modules.row_maps import permute_rows
 
 
 def _expert_major_order(recv: torch.Tensor, total: int) -> torch.Tensor:
@@ -128,13 +114,13 @@ class ExpertParallelDispatcher:
         total = sum(out_splits)
         perm = _expert_major_order(recv, total)
         inverse = _inverse(perm)
-        grouped = _Permute.apply(received, perm, inverse)
+        grouped = permute_rows(received, perm, inverse)
         return grouped, recv.sum(0), (perm, inverse, in_splits, out_splits)
 
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
         """Return expert outputs to the ranks (and rows) their tokens came from."""
         perm, inverse, in_splits, out_splits = state
-        back = _Permute.apply(y, inverse, perm)
+        back = permute_rows(y, inverse, perm)
         return all_to_all_v(back, in_splits, out_splits, self.group)
 
     def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:

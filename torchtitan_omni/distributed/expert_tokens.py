@@ -28,34 +28,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.autograd import Function
 
 from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_v, exchange_counts
+from torchtitan_omni.modules.row_maps import spread_rows
 
 #: largest local expert id the header carries exactly in bfloat16 (8 bits of mantissa)
 MAX_LOCAL_EXPERTS = 256
-
-
-class _SpreadGather(Function):
-    """``src.index_select(0, rows)`` where ``rows`` repeat ``src``'s rows: output row i stands
-    at position ``slots[i]`` (distinct) of a ``layout = (a, b)`` grid of copies of ``src``,
-    repeated along ``sum_dim``. The backward places each gradient row at its slot and sums
-    the grid over ``sum_dim``: no colliding scatter-add, so deterministic on GPU (an
-    ``index_select``'s backward adds rows atomically)."""
-
-    @staticmethod
-    def forward(ctx, src, rows, slots, layout: tuple[int, int], sum_dim: int):
-        ctx.save_for_backward(slots)
-        ctx.layout, ctx.sum_dim = layout, sum_dim
-        return src.index_select(0, rows)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (slots,) = ctx.saved_tensors
-        a, b = ctx.layout
-        width = grad.shape[-1]
-        grid = grad.new_zeros(a * b, width).index_put_((slots,), grad)
-        return grid.view(a, b, width).sum(ctx.sum_dim), None, None, None, None
 
 
 def check_header_fits(local_experts: int) -> None:
@@ -107,8 +85,8 @@ class TokenExchange:
             here = dest.index_select(0, token_of) == rank_of[:, None]  # [S, k]
             ids = torch.where(here, indices.index_select(0, token_of) - rank_of[:, None] * local,
                               -1)
-        rows = _SpreadGather.apply(x, token_of, pos, (ranks, n), 0)
-        w = _SpreadGather.apply(weights, token_of, pos, (ranks, n), 0) * here
+        rows = spread_rows(x, token_of, pos, (ranks, n), 0)
+        w = spread_rows(weights, token_of, pos, (ranks, n), 0) * here
         payload = torch.cat([rows, ids.to(rows.dtype), w.to(rows.dtype)], dim=1)
         received = all_to_all_v(payload, out_splits, in_splits, self.group)
         got = received.shape[0]
@@ -119,7 +97,7 @@ class TokenExchange:
             # the copies grouped by local expert (stable: by source rank, then token)
             order = torch.argsort(key, stable=True)[:copies]
             counts_local = recv[:, :local].sum(0)
-        x_local = _SpreadGather.apply(x_got, order // k, order, (got, k), 1)
+        x_local = spread_rows(x_got, order // k, order, (got, k), 1)
         y_local = experts(x_local, counts_local)
         out_dim = y_local.shape[-1]
         # weigh the copies, then sum each received token's copies in a [R, k] slot grid (its

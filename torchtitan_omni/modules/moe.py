@@ -73,6 +73,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_omni.compat import grouped_mm
 from torchtitan_omni.modules import init
+from torchtitan_omni.modules.row_maps import permute_rows, spread_rows
 from torchtitan_omni.modules.segment_mm import segment_mm
 
 
@@ -253,10 +254,12 @@ def sort_by_expert(
 def gather_sorted(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
     """The token of every sorted assignment: ``x[order // top_k]`` ``[N * k, D]``.
 
-    Expanding instead of indexing with repeated rows keeps the backward a plain sum over the
-    k copies (no atomic index_add, so deterministic).
+    One gather of repeated rows, whose backward places each copy's gradient at its (token,
+    choice) slot and sums a token's k slots (:func:`~torchtitan_omni.modules.row_maps.spread_rows`:
+    no atomic index_add, so deterministic, and no sort).
     """
-    return x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, x.shape[-1])[order]
+    return spread_rows(x, torch.div(order, top_k, rounding_mode="floor"), order,
+                       (x.shape[0], top_k), 1)
 
 
 def combine(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -264,7 +267,7 @@ def combine(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     n, k = weights.shape
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    per_token = out_sorted[inverse].view(n, k, out_sorted.shape[-1])
+    per_token = permute_rows(out_sorted, inverse, order).view(n, k, out_sorted.shape[-1])
     return torch.bmm(weights.to(per_token.dtype).unsqueeze(1), per_token).squeeze(1)
 
 

@@ -1,0 +1,57 @@
+"""Row gathers whose backward is a gather or a placement at distinct rows, never a colliding
+scatter-add: deterministic on GPU, and no sort (an ``index``/``index_select`` backward adds
+rows with atomics, or sorts them first when determinism is asked for).
+
+Used wherever tokens are reordered by expert: the MoE layer's sort and un-sort of its routed
+copies (``torchtitan_omni.modules.moe``), the expert-parallel dispatchers' permutations
+(``torchtitan_omni.distributed.expert_parallel``, ``expert_tokens``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+
+
+class _PermuteRows(Function):
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x[perm]`` for a permutation ``perm`` of ``x``'s rows, whose backward is
+    ``grad[inverse]`` (``inverse[perm] = arange``)."""
+    return _PermuteRows.apply(x, perm, inverse)
+
+
+class _SpreadRows(Function):
+    @staticmethod
+    def forward(ctx, src, rows, slots, layout: tuple[int, int], sum_dim: int):
+        ctx.save_for_backward(slots)
+        ctx.layout, ctx.sum_dim = layout, sum_dim
+        return src.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slots,) = ctx.saved_tensors
+        a, b = ctx.layout
+        width = grad.shape[-1]
+        grid = grad.new_zeros(a * b, width).index_put_((slots,), grad)
+        return grid.view(a, b, width).sum(ctx.sum_dim), None, None, None, None
+
+
+def spread_rows(src: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                layout: tuple[int, int], sum_dim: int) -> torch.Tensor:
+    """``src.index_select(0, rows)`` where ``rows`` repeat ``src``'s rows: output row i stands
+    at position ``slots[i]`` (distinct) of a ``layout = (a, b)`` grid of copies of ``src``,
+    repeated along ``sum_dim`` (e.g. a token's k routed copies: ``rows = slots // k``, layout
+    ``(tokens, k)``, ``sum_dim`` 1). The backward places each gradient row at its slot and sums
+    the grid over ``sum_dim``."""
+    return _SpreadRows.apply(src, rows, slots, layout, sum_dim)
