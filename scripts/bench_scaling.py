@@ -201,6 +201,7 @@ def _ep(n: int) -> tuple[str, ...]:
 TOKENS = ("--parallelism.expert_dispatch", "tokens")
 ONE_UNIT = ("--parallelism.encoder_fsdp_unit", "part")  # each encoder one FSDP unit
 NO_ENCODER_AC = ("--omni.encoder_activation_checkpoint", "none")
+KEEP_EXCHANGES = ("--parallelism.expert_ac_keep_exchanges",)  # AC around the EP exchanges
 
 
 def compiled(point: Point, estimate_s: int = 60) -> Point:
@@ -309,7 +310,7 @@ def moe_4gpu() -> list[Point]:
                                 (8192, "realistic"), (32768, "realistic"))],
         # full AC around the expert exchanges (no all-to-all in the recompute)
         Point("moe_30B-A3B_12L_8k_ep4_text_exact_keep_exchanges", MOE, 4, 8192,
-              cut + _ep(4) + ("--parallelism.expert_ac_keep_exchanges",), workload="text",
+              cut + _ep(4) + KEEP_EXCHANGES, workload="text",
               estimate_s=80),
         # each token sent once per rank holding one of its experts (about 3.6 rows per token
         # instead of 8 on EP4): text at 8K and 16K, realistic rows at 8K, and with the
@@ -318,7 +319,7 @@ def moe_4gpu() -> list[Point]:
                 cut + _ep(4) + TOKENS, workload=workload, estimate_s=80)
           for seq, workload in ((8192, "text"), (16384, "text"), (8192, "realistic"))],
         Point("moe_30B-A3B_12L_8k_ep4_text_exact_tokens_keep_exchanges", MOE, 4, 8192,
-              cut + _ep(4) + TOKENS + ("--parallelism.expert_ac_keep_exchanges",),
+              cut + _ep(4) + TOKENS + KEEP_EXCHANGES,
               workload="text", estimate_s=80),
         # the toy rows with the encoders replicated (no per-block FSDP collectives) and not
         # checkpointed: how much of the media path's fixed cost those take

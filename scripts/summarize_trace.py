@@ -205,7 +205,8 @@ def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
         return found or ("(before any unit)", "")
 
     rows: dict = {}
-    cursor = None
+    # the end of the compute timeline covered so far, from the first compute kernel's start
+    cursor = min((e["ts"] for e in kernels if kind(e["name"]) != "communication"), default=0.0)
     for e in sorted(kernels, key=lambda e: e["ts"]):
         row = rows.setdefault(phase(e), {"timeline": 0.0, "busy": 0.0, "comm": 0.0, "n": 0})
         row["n"] += 1
@@ -213,12 +214,11 @@ def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
             row["comm"] += e["dur"]
             continue
         start, end = e["ts"], e["ts"] + e["dur"]
-        if cursor is not None and end <= cursor:
+        if end <= cursor:
             continue  # wholly under another compute kernel
-        idle = 0.0 if cursor is None else max(0.0, start - cursor)
-        busy = end - (start if cursor is None else max(start, cursor))
+        busy = end - max(start, cursor)
         row["busy"] += busy
-        row["timeline"] += idle + busy
+        row["timeline"] += max(0.0, start - cursor) + busy
         cursor = end
     out = ["  by part (kernels by the FSDP unit their host thread was in; idle time goes to "
            "the kernel that ran next):",

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_v, exchange_counts
-from torchtitan_omni.modules.row_maps import spread_rows
+from torchtitan_omni.modules.row_maps import spread_rows, sum_slots
 
 #: largest local expert id the header carries exactly in bfloat16 (8 bits of mantissa)
 MAX_LOCAL_EXPERTS = 256
@@ -99,13 +99,10 @@ class TokenExchange:
             counts_local = recv[:, :local].sum(0)
         x_local = spread_rows(x_got, order // k, order, (got, k), 1)
         y_local = experts(x_local, counts_local)
-        out_dim = y_local.shape[-1]
         # weigh the copies, then sum each received token's copies in a [R, k] slot grid (its
         # empty slots zero): autograd keeps the experts' outputs and weights ([C] rows), not
         # the grid
         weighted = y_local * w_got.reshape(-1)[order].to(y_local.dtype).unsqueeze(1)
-        slots = weighted.new_zeros(got * k, out_dim).index_put((order,), weighted)
-        partial = slots.view(got, k, out_dim).sum(1)  # [R, D] one row per received token
+        partial = sum_slots(weighted, order, (got, k), 1)  # [R, D] one row per received token
         back = all_to_all_v(partial, in_splits, out_splits, self.group)  # [S, D]
-        placed = back.new_zeros(ranks * n, out_dim).index_put((pos,), back)
-        return placed.view(ranks, n, out_dim).sum(0)
+        return sum_slots(back, pos, (ranks, n), 0)

@@ -3,8 +3,9 @@ scatter-add: deterministic on GPU, and no sort (an ``index``/``index_select`` ba
 rows with atomics, or sorts them first when determinism is asked for).
 
 Used wherever tokens are reordered by expert: the MoE layer's sort and un-sort of its routed
-copies (``torchtitan_omni.modules.moe``), the expert-parallel dispatchers' permutations
-(``torchtitan_omni.distributed.expert_parallel``, ``expert_tokens``).
+copies (``torchtitan_omni.modules.moe``), the expert-parallel dispatchers' permutations and the
+token dispatch's per-token sums (``torchtitan_omni.distributed.expert_parallel``,
+``expert_tokens``).
 """
 
 from __future__ import annotations
@@ -41,10 +42,7 @@ class _SpreadRows(Function):
     @staticmethod
     def backward(ctx, grad):
         (slots,) = ctx.saved_tensors
-        a, b = ctx.layout
-        width = grad.shape[-1]
-        grid = grad.new_zeros(a * b, width).index_put_((slots,), grad)
-        return grid.view(a, b, width).sum(ctx.sum_dim), None, None, None, None
+        return sum_slots(grad, slots, ctx.layout, ctx.sum_dim), None, None, None, None
 
 
 def spread_rows(src: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
@@ -55,3 +53,14 @@ def spread_rows(src: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
     ``(tokens, k)``, ``sum_dim`` 1). The backward places each gradient row at its slot and sums
     the grid over ``sum_dim``."""
     return _SpreadRows.apply(src, rows, slots, layout, sum_dim)
+
+
+def sum_slots(rows: torch.Tensor, slots: torch.Tensor, layout: tuple[int, int],
+              sum_dim: int) -> torch.Tensor:
+    """Each row of ``rows`` placed at its position ``slots[i]`` (distinct) of a ``layout = (a,
+    b)`` grid, the other positions zero, then the grid summed over ``sum_dim``: the adjoint of
+    :func:`spread_rows` (a placement, no colliding scatter-add; differentiable)."""
+    a, b = layout
+    width = rows.shape[-1]
+    grid = rows.new_zeros(a * b, width).index_put((slots,), rows)
+    return grid.view(a, b, width).sum(sum_dim)
