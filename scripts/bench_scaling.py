@@ -273,6 +273,13 @@ def llama_4gpu() -> list[Point]:
               warmup=2, workload="realistic", estimate_s=110),
         Point("omni_8B_16k_sp2_realistic", LLAMA8B, 4, 16384, SEL + _sp(2), steps=8,
               workload="realistic", estimate_s=90),
+        # each encoder one FSDP unit (parallelism.encoder_fsdp_unit = "part"), with and
+        # without encoder AC, against the same call's default toy and realistic points
+        *[Point(f"omni_8B_8k_sp1_{workload}_{tag}", LLAMA8B, 4, 8192, SEL + flags, steps=12,
+                workload=workload, estimate_s=85)
+          for workload in ("toy", "realistic")
+          for tag, flags in (("encoder_unit_part", ONE_UNIT),
+                             ("encoder_unit_part_no_ac", ONE_UNIT + NO_ENCODER_AC))],
     ]
 
 
