@@ -199,7 +199,8 @@ def _ep(n: int) -> tuple[str, ...]:
 
 #: exact EP dispatch sending each token once per rank (not every routed copy)
 TOKENS = ("--parallelism.expert_dispatch", "tokens")
-ONE_UNIT = ("--parallelism.encoder_fsdp_unit", "part")  # each encoder one FSDP unit
+#: each encoder block its own FSDP unit (the default before 2026-11-26: each encoder one unit)
+BLOCK_UNITS = ("--parallelism.encoder_fsdp_unit", "block")
 NO_ENCODER_AC = ("--omni.encoder_activation_checkpoint", "none")
 KEEP_EXCHANGES = ("--parallelism.expert_ac_keep_exchanges",)  # AC around the EP exchanges
 
@@ -227,17 +228,17 @@ def omni_1gpu(layers: int = 16) -> list[Point]:
 
 def omni_2gpu() -> list[Point]:
     """Two GPUs, full 8B, FSDP2: stock, text-only, realistic and toy at 8K (toy and realistic
-    also with each encoder one FSDP unit), realistic at 32K
+    also with each encoder block an FSDP unit), realistic at 32K
     with Ulysses SP2; then the 8K points compiled; last 64K, and 128K with the offloads."""
     eager = [
         Point("stock_llama3_8B_8k_fsdp2", "8B", 2, 8192, SEL, stock=True, estimate_s=80),
         Point("omni_8B_8k_text_only", LLAMA8B, 2, 8192, SEL, workload="text", estimate_s=90),
         Point("omni_8B_8k_realistic", LLAMA8B, 2, 8192, SEL, workload="realistic", estimate_s=100),
         Point("omni_8B_8k_toy", LLAMA8B, 2, 8192, SEL, workload="toy", estimate_s=90),
-        # the encoders as one FSDP unit each (parallelism.encoder_fsdp_unit "part")
-        Point("omni_8B_8k_toy_encoder_unit_part", LLAMA8B, 2, 8192, SEL + ONE_UNIT,
+        # each encoder block an FSDP unit (parallelism.encoder_fsdp_unit "block")
+        Point("omni_8B_8k_toy_encoder_unit_block", LLAMA8B, 2, 8192, SEL + BLOCK_UNITS,
               workload="toy", estimate_s=90),
-        Point("omni_8B_8k_realistic_encoder_unit_part", LLAMA8B, 2, 8192, SEL + ONE_UNIT,
+        Point("omni_8B_8k_realistic_encoder_unit_block", LLAMA8B, 2, 8192, SEL + BLOCK_UNITS,
               workload="realistic", estimate_s=100),
     ]
     # full AC: 16K tokens per rank next to 71 GiB of sharded fp32 states and AdamW moments
@@ -273,13 +274,13 @@ def llama_4gpu() -> list[Point]:
               warmup=2, workload="realistic", estimate_s=110),
         Point("omni_8B_16k_sp2_realistic", LLAMA8B, 4, 16384, SEL + _sp(2), steps=8,
               workload="realistic", estimate_s=90),
-        # each encoder one FSDP unit (parallelism.encoder_fsdp_unit = "part"), with and
-        # without encoder AC, against the same call's default toy and realistic points
+        # each encoder block an FSDP unit (parallelism.encoder_fsdp_unit = "block"), and the
+        # default (one unit per encoder) without encoder AC, against the same call's default
         *[Point(f"omni_8B_8k_sp1_{workload}_{tag}", LLAMA8B, 4, 8192, SEL + flags, steps=12,
                 workload=workload, estimate_s=85)
           for workload in ("toy", "realistic")
-          for tag, flags in (("encoder_unit_part", ONE_UNIT),
-                             ("encoder_unit_part_no_ac", ONE_UNIT + NO_ENCODER_AC))],
+          for tag, flags in (("encoder_unit_block", BLOCK_UNITS),
+                             ("encoders_no_ac", NO_ENCODER_AC))],
     ]
 
 
@@ -292,8 +293,8 @@ def moe_4gpu() -> list[Point]:
     drops about half the media copies at random init); the exact dispatcher with activation
     checkpointing kept off its exchanges, and sending each token once per rank
     (``expert_dispatch = "tokens"``: text at 8K and 16K, realistic rows at 8K); the media
-    path's encoders replicated, as one FSDP unit each (``encoder_fsdp_unit = "part"``) or not
-    checkpointed, on toy and realistic rows; EP4 with Ulysses SP2 at 32K and SP4 at 64K; EP2
+    path's encoders replicated, with each block an FSDP unit (``encoder_fsdp_unit = "block"``)
+    or not checkpointed, on toy and realistic rows; EP4 with Ulysses SP2 at 32K and SP4 at 64K; EP2
     (experts over 2 ranks, FSDP over 4) at 8K.
     The first point also profiles its last step (host syncs per layer, where the time goes)."""
     cut = _layers(12) + FULL
@@ -334,18 +335,17 @@ def moe_4gpu() -> list[Point]:
                 8192, cut + _ep(4) + ("--parallelism.encoder_fsdp_mesh", "none") + NO_ENCODER_AC,
                 workload=workload, estimate_s=80)
           for workload in ("toy", "realistic")],
-        # the encoders as one FSDP unit each (one gather per pass instead of one per block,
-        # parallelism.encoder_fsdp_unit), and encoder AC off alone: which of the two the
-        # replicated, unchecked encoders' 1.23x came from
-        # (the toy rows with one unit per encoder profile their last step, next to the toy
-        # point's profile above)
+        # each encoder block an FSDP unit (one gather per block and pass; the default is one
+        # per encoder, parallelism.encoder_fsdp_unit), with and without encoder AC, and encoder
+        # AC off alone (the toy rows with block units profile their last step, next to the
+        # default toy point's profile above)
         *[Point(f"moe_30B-A3B_12L_8k_ep4_{workload}_exact_{tag}", MOE, 4, 8192,
                 cut + _ep(4) + flags
-                + (profile if (workload, tag) == ("toy", "encoder_unit_part") else ()),
+                + (profile if (workload, tag) == ("toy", "encoder_unit_block") else ()),
                 workload=workload, estimate_s=80)
           for workload in ("toy", "realistic")
-          for tag, flags in (("encoder_unit_part", ONE_UNIT),
-                             ("encoder_unit_part_no_ac", ONE_UNIT + NO_ENCODER_AC),
+          for tag, flags in (("encoder_unit_block", BLOCK_UNITS),
+                             ("encoder_unit_block_no_ac", BLOCK_UNITS + NO_ENCODER_AC),
                              ("encoders_no_ac", NO_ENCODER_AC))],
         # EP x Ulysses x FSDP at long context: 16K positions per GPU at 32K (SP2) and 64K (SP4)
         *[Point(f"moe_30B-A3B_12L_{seq // 1024}k_sp{sp}_ep4_{workload}_exact", MOE, 4, seq,

@@ -118,8 +118,9 @@ REFUSALS = [
     (NC, ("--training.enable_cpu_offload",), "training.enable_cpu_offload: CPU offload"),
     (NC, ("--omni.activation_offload",), "omni.activation_offload: activation offload"),
     # one encoder rank: the encoders are not FSDP-sharded, one unit or not
-    (NC, ("--parallelism.encoder_fsdp_unit", "part"),
-     'parallelism.encoder_fsdp_unit = "part" cannot act: the encoders run on one rank'),
+    (NC.replace("ranks = [0]\n", 'ranks = [0]\nfsdp_unit = "part"\n', 1), (),
+     'parallelism.parts."encoders.vision".fsdp_unit = "part" cannot act: the encoders run on '
+     "one rank"),
 ]
 
 

@@ -25,7 +25,7 @@ DEBUG_TOML = (REPO / "train_configs" / "llama_omni_debug.toml").read_text()
 MIXED = {
     "encoders.vision": {"fsdp_mesh": "none", "sequence_parallel": "balance",
                         "activation_checkpoint": "full"},
-    "encoders.audio": {"fsdp_mesh": "dp_shard", "fsdp_unit": "part",
+    "encoders.audio": {"fsdp_mesh": "dp_shard", "fsdp_unit": "block",
                        "sequence_parallel": "split"},
     "decoders.gen_image": {"fsdp_mesh": "dp_shard"},
 }
@@ -37,7 +37,7 @@ activation_checkpoint = "full"
 
 [parallelism.parts."encoders.audio"]
 fsdp_mesh = "dp_shard"
-fsdp_unit = "part"
+fsdp_unit = "block"
 sequence_parallel = "split"
 
 [parallelism.parts."decoders.gen_image"]
@@ -71,9 +71,9 @@ def test_tables_override_the_global_keys_key_by_key(tmp_path, monkeypatch):
         "none", "balance", "full")
     audio = part_settings(cfg, "encoders.audio")  # activation_checkpoint: the global's
     assert (audio.fsdp_mesh, audio.fsdp_unit, audio.sequence_parallel,
-            audio.activation_checkpoint) == ("dp_shard", "part", "split", "none")
+            audio.activation_checkpoint) == ("dp_shard", "block", "split", "none")
     assert audio.own == {"fsdp_mesh", "fsdp_unit", "sequence_parallel"}
-    assert part_settings(cfg, "encoders.vision").fsdp_unit == "block"  # the global's
+    assert part_settings(cfg, "encoders.vision").fsdp_unit == "part"  # the global's
     # the decoder's frozen VQ (a plan part of its own) inherits the decoder's table, not as
     # its own key
     vq = part_settings(cfg, "decoders.gen_image.vq")
@@ -213,21 +213,22 @@ def test_a_mesh_for_a_part_outside_the_plan_cannot_act():
 def test_one_unit_encoders_are_refused_where_they_cannot_act():
     blocks = PartLayout("encoders.audio", fsdp_units=("blocks.*",))
     model = _meta_model(OmniParallelPlan(parts=(PartLayout("encoders.vision"), blocks)))
-    cfg = C.job_config(parallelism__encoder_fsdp_unit="part")
-    assert fsdp_unit_problem(model, cfg, 2) is None  # the audio blocks become one unit
-    assert fsdp_unit_problem(model, cfg, 1) == (
-        'parallelism.encoder_fsdp_unit = "part" cannot act: the encoders run on one rank, '
-        "nothing is FSDP-sharded")
-    cfg.parallelism.parts = {"encoders.audio": {"fsdp_unit": "block"}}
-    assert fsdp_unit_problem(model, cfg, 2) == (  # vision alone: one unit already
-        'parallelism.encoder_fsdp_unit = "part" cannot act: no encoder is FSDP-sharded block '
-        'by block (none lists FSDP blocks, or each table says "block")')
+    # the global key is a default for the encoders it can act on, either value, any ranks
+    for unit in ("part", "block"):
+        cfg = C.job_config(parallelism__encoder_fsdp_unit=unit)
+        assert fsdp_unit_problem(model, cfg, 2) is None
+        assert fsdp_unit_problem(model, cfg, 1) is None
     cfg = C.job_config(parallelism__parts={"encoders.vision": {"fsdp_unit": "part"}})
     assert fsdp_unit_problem(model, cfg, 2) == (
         'parallelism.parts."encoders.vision".fsdp_unit = "part" cannot act: the parallel plan '
         "of encoders.vision lists no FSDP blocks (it is one unit already)")
     cfg.parallelism.parts = {"encoders.audio": {"fsdp_unit": "part"}}
-    assert fsdp_unit_problem(model, cfg, 2) is None
+    assert fsdp_unit_problem(model, cfg, 2) is None  # the audio blocks become one unit
+    assert fsdp_unit_problem(model, cfg, 1) == (
+        'parallelism.parts."encoders.audio".fsdp_unit = "part" cannot act: the encoders run '
+        "on one rank, nothing is FSDP-sharded")
+    cfg.parallelism.parts = {"encoders.audio": {"fsdp_unit": "block"}}
+    assert fsdp_unit_problem(model, cfg, 1) is None  # "block" asks for nothing to merge
 
 
 # ----------------------------------------------------------------- llama_omni parity
@@ -324,10 +325,10 @@ def _assert_mixed_parity(results, name, sp: bool):
         assert out["vision"] == (True, True, ("replicate_all", "no_shard")), out["vision"]
         split, balanced, checkpointed, audio_mesh = out["audio"]
         assert split == sp and not balanced and not checkpointed, out["audio"]
-        # fsdp_unit "part": the audio encoder is one FSDP unit, not one per block
-        assert out["audio_units"] == 1, out["audio_units"]
-        # the default: each block, the projector and the encoder
-        assert out["default_audio_units"] == out["audio_blocks"] + 2, out["default_audio_units"]
+        # fsdp_unit "block": each block, the projector and the encoder
+        assert out["audio_units"] == out["audio_blocks"] + 2, out["audio_units"]
+        # the default ("part"): the audio encoder is one FSDP unit, not one per block
+        assert out["default_audio_units"] == 1, out["default_audio_units"]
         # dp_shard: over the data ranks only, replicated over SP ("fsdp" without SP)
         dp_shard = ("replicate_dp_sp", "dp_shard_only") if sp else ("fsdp",)
         assert audio_mesh == dp_shard, out["audio"]
@@ -436,7 +437,10 @@ def test_run_train_with_part_tables_matches_default(tmp_path):
     out = runs["mixed"].output
     assert "Encoders split media items over SP ranks: audio" in out
     assert "Encoders balance media items over 2 ranks: vision" in out
-    assert "encoders.vision: none, encoders.audio: dp_shard, one unit" in out
+    assert "encoders.vision: none, one unit, encoders.audio: dp_shard," in out
+    # the default: each encoder one FSDP unit
+    assert "encoders.vision: fsdp, one unit, encoders.audio: fsdp, one unit" in (
+        runs["default"].output)
     for step in range(1, STEPS + 1):
         base, mix = runs["default"], runs["mixed"]
         assert abs(mix.losses[step] - base.losses[step]) <= 1e-5, (base.losses, mix.losses)

@@ -271,7 +271,7 @@ def _validate_parts(cfg: JobConfig, spec, args, degrees: dict[str, int]) -> None
     balance = encoder_ranks > 1 and (
         cfg.parallelism.encoder_sequence_parallel == "balance"
         or any(t.get("sequence_parallel") == "balance" for t in cfg.parallelism.parts.values()))
-    if not (cfg.parallelism.parts or balance or cfg.parallelism.encoder_fsdp_unit != "block"):
+    if not (cfg.parallelism.parts or balance):
         return
     model = _model_on_meta(spec, args)
     # non-colocated encoders are sharded over their own ranks only

@@ -16,7 +16,7 @@ from typing import Any
 import torch.nn as nn
 
 from torchtitan_omni.distributed.part_layouts import (
-    DECODERS, ENCODER_ONLY, key_name, part_is_one_unit, part_settings)
+    DECODERS, ENCODER_ONLY, key_name, part_settings)
 from torchtitan_omni.distributed.parallelize import matching_modules
 from torchtitan_omni.protocols.modules import OmniEncoder
 
@@ -141,30 +141,22 @@ def parts_problem(model: nn.Module, job_config: Any, encoder_ranks: int) -> str 
 
 
 def fsdp_unit_problem(model: nn.Module, job_config: Any, data_ranks: int) -> str | None:
-    """``fsdp_unit = "part"`` (``parallelism.encoder_fsdp_unit`` or an encoder's table) where
-    it could not act, or None: the encoders on one rank (``data_ranks``: the data x SP ranks,
-    or the non-colocated encoder ranks; no FSDP), an encoder's own table on an encoder without
-    blocks of its own, the global key when no encoder has blocks to merge."""
+    """An encoder's own table saying ``fsdp_unit = "part"`` where it could not act, or None:
+    the encoders on one rank (``data_ranks``: the data x SP ranks, or the non-colocated
+    encoder ranks; no FSDP), or an encoder without blocks of its own. The global
+    ``parallelism.encoder_fsdp_unit`` is a default ("part") for the encoders it can act on,
+    like ``encoder_fsdp_mesh``, and is not refused."""
     tables = job_config.parallelism.parts or {}
     own = [part for part, table in tables.items() if table.get("fsdp_unit") == "part"]
-    global_key = job_config.parallelism.encoder_fsdp_unit == "part"
-    if not (own or global_key):
+    if not own:
         return None
-    key = key_name(own[0], "fsdp_unit") if own else "parallelism.encoder_fsdp_unit"
     if data_ranks == 1:
-        return f'{key} = "part" cannot act: the encoders run on one rank, nothing is FSDP-sharded'
+        return (f'{key_name(own[0], "fsdp_unit")} = "part" cannot act: the encoders run on one '
+                "rank, nothing is FSDP-sharded")
     plan = getattr(model, "parallel_plan", None)
     layouts = plan.parts if plan is not None else ()
-
-    def has_blocks(part: str) -> bool:
-        return any(p.fsdp_units or p.fsdp_groups for p in layouts if p.root == part)
-
     for part in own:
-        if not has_blocks(part):
+        if not any(p.fsdp_units or p.fsdp_groups for p in layouts if p.root == part):
             return (f'{key_name(part, "fsdp_unit")} = "part" cannot act: the parallel plan of '
                     f"{part} lists no FSDP blocks (it is one unit already)")
-    if global_key and not any(has_blocks(p.root) for p in layouts
-                              if part_is_one_unit(p, job_config)):
-        return ('parallelism.encoder_fsdp_unit = "part" cannot act: no encoder is FSDP-sharded '
-                "block by block (none lists FSDP blocks, or each table says \"block\")")
     return None
