@@ -42,7 +42,7 @@ COMMON = ("--parallelism.ulysses_degree", "2", "--training.steps", str(STEPS),
           "--checkpoint.enable", "--checkpoint.interval", str(SAVED),
           "--checkpoint.no-last_save_model_only", "--checkpoint.keep_latest_k", "0")
 #: the line ``parallelize`` logs for the mixed layout's meshes
-MIXED_MESHES = "encoders.vision: none, encoders.audio: dp_shard"
+MIXED_MESHES = "encoders.vision: none, one unit, encoders.audio: dp_shard,"
 #: tensors whose saved chunks show the layout: 2 shards in the default layout, 1 replica (DCP
 #: keeps one copy of equal replicas) in the mixed one
 PROBES = ("encoders.vision.blocks.0.attn.qkv.weight", "encoders.audio.blocks.0.mlp.fc1.weight")
