@@ -568,9 +568,11 @@ def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "")
         return row
     share = point.gpu_share()
     tps = share * statistics.median(s["tps"] for s in timed)
+    # how much single steps differ: a ratio smaller than this spread says little
+    tps_range = (share * min(s["tps"] for s in timed), share * max(s["tps"] for s in timed))
     mfu = share * statistics.median(s["mfu"] for s in timed)
     tflops = share * statistics.median(s["tflops"] for s in timed)
-    row.update(tps=tps, mfu=mfu, mem_gib=max(s["mem_gib"] for s in steps),
+    row.update(tps=tps, tps_range=tps_range, mfu=mfu, mem_gib=max(s["mem_gib"] for s in steps),
                step_s=step_time(steps, point.warmup))
     if all("dropped_pct" in s for s in timed):
         row.update(max_over_mean=statistics.median(s["max_over_mean"] for s in timed),
@@ -669,22 +671,27 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
     """The markdown table of a run, then each point's command."""
     lines = [
         f"Device: {device}. tokens/s/GPU (every real LLM position, media included), MFU and "
-        "step time: medians over the steps after warm-up; vs stock / vs text-only: tokens/s "
+        "step time: medians over the steps after warm-up (steps' range: their slowest and "
+        "fastest step's tokens/s/GPU); vs stock / vs text-only: tokens/s "
         "over the stock and omni text-only points of the same GPUs, seq and compile setting; "
         "memory: peak reserved; recompiles: rank 0's under TORCH_LOGS=recompiles.",
         *([data_note] if data_note else []),
         "",
-        "| point | GPUs | seq | data (media share) | compile | tokens/s/GPU | vs stock "
+        "| point | GPUs | seq | data (media share) | compile | tokens/s/GPU | steps' range "
+        "| vs stock "
         "| vs text-only | MFU (model FLOPs) | MFU (TorchTitan formula) | step (s) "
         "| peak mem (GiB) | recompiles | status |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- |",
     ]
     for r in rows:
         status = r.get("status") or ("ok" if r.get("rc") == 0 else f"exit {r.get('rc')}")
         recompiles = "-" if r.get("recompiles") is None else str(r["recompiles"])
+        spread = ("-" if r.get("tps_range") is None
+                  else f"{r['tps_range'][0]:,.0f}-{r['tps_range'][1]:,.0f}")
         lines.append(
             f"| {r['name']} | {r['ngpu']} | {r['seq_len'] // 1024}K | {_data_cell(r)} | "
-            f"{'yes' if r.get('compile') else 'no'} | {_fmt(r.get('tps'), ',.0f')} | "
+            f"{'yes' if r.get('compile') else 'no'} | {_fmt(r.get('tps'), ',.0f')} | {spread} | "
             f"{_fmt(r.get('vs_stock'), '.2f', 'x')} | {_fmt(r.get('vs_text'), '.2f', 'x')} | "
             f"{_fmt(r.get('mfu'), '.1f', '%')} | {_fmt(r.get('mfu_titan'), '.1f', '%')} | "
             f"{_fmt(r.get('step_s'), '.2f')} | {_fmt(r.get('mem_gib'), '.1f')} | {recompiles} | "

@@ -1,6 +1,7 @@
 """The benchmark scripts' own logic: reading training logs and profiler traces, the plans,
 their ratios and the stock TorchTitan flavors they use."""
 
+import dataclasses
 import importlib
 import json
 import os
@@ -34,6 +35,9 @@ def test_step_lines_of_omni_and_stock_logs():
     point = bench.Point("p", "8B", 4, 8192, stock=True, warmup=11)
     row = bench.summarize(point, steps[:1] + steps[1:], 10.0, 0)
     assert row["tps"] == 8507.0 and row["mem_gib"] == 74.12  # median after warm-up, peak overall
+    row = bench.summarize(dataclasses.replace(point, warmup=10), steps, 10.0, 0)
+    assert row["tps_range"] == (4424.0, 8507.0)  # the slowest and fastest step after warm-up
+    assert "| 6,466 | 4,424-8,507 |" in bench.table([row], "test")
     assert "-m torchtitan.train" in row["command"] and "--training.seq_len 8192" in row["command"]
 
 
@@ -222,12 +226,12 @@ def test_ratios_pair_points_of_the_same_gpus_seq_model_and_compile_setting():
     by["stock"]["media_share"] = 0.0
     text = bench.table(rows, "test device")
     line = next(x for x in text.splitlines() if x.startswith("| realistic |"))
-    assert ("| realistic (50%) | no | 4,000 | 0.50x | 0.44x | 20.0% | - | 1.00 | 70.0 | - "
+    assert ("| realistic (50%) | no | 4,000 | - | 0.50x | 0.44x | 20.0% | - | 1.00 | 70.0 | - "
             "| ok |") in line
     line = next(x for x in text.splitlines() if x.startswith("| realistic_compile |"))
-    assert "| yes | 5,000 | 0.50x | - |" in line and line.endswith("| 3 | ok |")
-    assert "| stock | 1 | 8K | text | no | 8,000 | 1.00x | - |" in text
-    assert "| skipped | 1 | 8K | - | no | - | - | - |" in text and "not run (deadline)" in text
+    assert "| yes | 5,000 | - | 0.50x | - |" in line and line.endswith("| 3 | ok |")
+    assert "| stock | 1 | 8K | text | no | 8,000 | - | 1.00x | - |" in text
+    assert "| skipped | 1 | 8K | - | no | - | - | - | - |" in text and "not run (deadline)" in text
 
 
 def test_plans_and_the_compile_filters():
