@@ -292,7 +292,8 @@ def moe_4gpu() -> list[Point]:
     call's baseline (also at 16K, on the toy rows and on realistic rows at 8K and 32K: capacity
     drops about half the media copies at random init); the exact dispatcher with activation
     checkpointing kept off its exchanges, and sending each token once per rank
-    (``expert_dispatch = "tokens"``: text at 8K and 16K, realistic rows at 8K); the media
+    (``expert_dispatch = "tokens"``: text at 8K and 16K, realistic rows at 8K); the exact
+    dispatcher compiled on text, toy and realistic rows; the media
     path's encoders replicated, with each block an FSDP unit (``encoder_fsdp_unit = "block"``)
     or not checkpointed, on toy and realistic rows; EP4 with Ulysses SP2 at 32K and SP4 at 64K; EP2
     (experts over 2 ranks, FSDP over 4) at 8K.
@@ -316,6 +317,11 @@ def moe_4gpu() -> list[Point]:
                 workload=workload, estimate_s=80)
           for seq, workload in ((8192, "text"), (16384, "text"), (8192, "toy"),
                                 (8192, "realistic"), (32768, "realistic"))],
+        # the exact dispatcher compiled (blocks in pieces at the split-size reads): the
+        # encoders' compiled blocks against their eager host time on the toy rows
+        *[compiled(Point(f"moe_30B-A3B_12L_8k_ep4_{workload}_exact", MOE, 4, 8192,
+                         cut + _ep(4), workload=workload, estimate_s=80), 70)
+          for workload in ("text", "toy", "realistic")],
         # full AC around the expert exchanges (no all-to-all in the recompute)
         Point("moe_30B-A3B_12L_8k_ep4_text_exact_keep_exchanges", MOE, 4, 8192,
               cut + _ep(4) + KEEP_EXCHANGES, workload="text",
