@@ -35,7 +35,8 @@ def test_step_lines_of_omni_and_stock_logs():
     point = bench.Point("p", "8B", 4, 8192, stock=True, warmup=11)
     row = bench.summarize(point, steps[:1] + steps[1:], 10.0, 0)
     assert row["tps"] == 8507.0 and row["mem_gib"] == 74.12  # median after warm-up, peak overall
-    row = bench.summarize(dataclasses.replace(point, warmup=10), steps, 10.0, 0)
+    warm_up = dict(steps[0], step=10, tps=100.0)  # a warm-up step: outside the range
+    row = bench.summarize(dataclasses.replace(point, warmup=10), [warm_up, *steps], 10.0, 0)
     assert row["tps_range"] == (4424.0, 8507.0)  # the slowest and fastest step after warm-up
     assert "| 6,466 | 4,424-8,507 |" in bench.table([row], "test")
     assert "-m torchtitan.train" in row["command"] and "--training.seq_len 8192" in row["command"]
