@@ -8,6 +8,8 @@ parallel 2 with the encoders' tables."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -441,6 +443,12 @@ def test_run_train_with_part_tables_matches_default(tmp_path):
     # the default: each encoder one FSDP unit
     assert "encoders.vision: fsdp, one unit, encoders.audio: fsdp, one unit" in (
         runs["default"].output)
+    whole = re.search(r"Encoders gathered whole while they run .*: encoders.vision: "
+                      r"([\d.]+)M parameters, encoders.audio: ([\d.]+)M parameters",
+                      runs["default"].output)
+    assert whole and all(float(n) > 0 for n in whole.groups()), runs["default"].output[-3000:]
+    # the mixed layout gathers the vision tower whole, the audio encoder block by block
+    assert re.search(r"gathered whole .*: encoders.vision: [\d.]+M parameters\n", out), out[-3000:]
     for step in range(1, STEPS + 1):
         base, mix = runs["default"], runs["mixed"]
         assert abs(mix.losses[step] - base.losses[step]) <= 1e-5, (base.losses, mix.losses)

@@ -398,4 +398,12 @@ def parallelize_omni(
     choices = apply_fsdp(model, plan, dims, job_config, expert_names)
     if choices:
         logger.info("FSDP2 meshes: " + ", ".join(f"{k}: {v}" for k, v in choices.items()))
+        # what the default one-unit encoders add to the peak: their whole parameters, at once
+        whole = {part.root: sum(t.numel() for t in model.get_submodule(part.root).parameters())
+                 for part in plan.parts
+                 if part.root in choices and part_is_one_unit(part, job_config)}
+        if whole:
+            logger.info("Encoders gathered whole while they run (encoder_fsdp_unit \"part\"; "
+                        "\"block\" gathers one block at a time): "
+                        + ", ".join(f"{k}: {n / 1e6:,.1f}M parameters" for k, n in whole.items()))
     return model
