@@ -1,7 +1,7 @@
 """Throughput, MFU and peak memory of real-size training runs, one ``run_train.sh`` per point.
 
 Each point of a plan is a full training job (the real trainer, data pipeline and
-parallelism; random weights) on one of three workloads, built before the points run by
+parallelism; random weights) on one of four workloads, built before the points run by
 ``scripts/build_long_context_dataset.py`` (one document per row, so attention spans the whole
 sequence):
 
@@ -9,13 +9,17 @@ sequence):
   of each row's tokens (images, video and audio);
 - ``toy``: the bundled dataset's thumbnails (48 px images, 8-frame 32 px clips), under 1% of
   the tokens (images and video);
-- ``text``: the bundled text, packed (stock TorchTitan's data, for the omni text-only point).
+- ``long_text``: the same paragraphs in documents of the same length, without media: the
+  text baseline of the media rows (their attention spans the whole row too);
+- ``text``: the bundled text, packed (stock TorchTitan's data, for the omni text-only point):
+  short documents, so its attention costs far less than the rows above (about 1.4x fewer
+  FLOPs per token on the MoE 12-layer cut at 8K, 1.15x on LLaMA#Omni 8B).
 
 A plan may hold stock TorchTitan 0.2.2 (Llama-3 on the bundled text) and the omni trainer on
 the same text as baselines of the same call. For each point it reads the per-step log lines
 and reports, over the steps after ``warmup``: the median tokens/s per GPU (every real LLM
-position, media placeholders included, as the trainer counts them), its ratio to the stock
-and text-only points of the same GPUs, sequence length and compile setting, the MFU by the
+position, media placeholders included, as the trainer counts them), its ratio to the stock,
+text-only and long-text points of the same GPUs, sequence length and compile setting, the MFU by the
 trainer's model-FLOP count (causal attention by real document lengths, encoders included),
 the MFU by TorchTitan's formula (``6 x non-embedding params + 12 x layers x heads x head_dim x
 seq_len`` per token, what stock runs print), the median step time (between consecutive step
@@ -50,7 +54,7 @@ from unittest import mock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOCK_TEXT = "data/stock_text"
-WORKLOADS = ("realistic", "toy", "text")
+WORKLOADS = ("realistic", "toy", "long_text", "text")
 # the cut 8B flavors of stock TorchTitan (scripts/titan_flavors.py)
 FLAVORS_MODULE = "scripts.titan_flavors"
 LAYER_CUTS = (4, 8, 12, 16, 20, 24, 28)
@@ -60,7 +64,11 @@ COMPILE = ("--compile.enable", "--compile.components", "model,loss")
 # Rows are single documents, so a small buffer packs them alike and starts faster.
 LONG_DOCS = ("--data.buffer_docs", "4")
 MODALITIES = {"realistic": ("--data.modalities", "image,video,audio"),
-              "toy": ("--data.modalities", "image,video"), "text": ()}
+              "toy": ("--data.modalities", "image,video"), "long_text": (), "text": ()}
+#: the builder's workload of each built one (scripts/build_long_context_dataset.py)
+BUILT = {"realistic": "realistic", "toy": "toy", "long_text": "text"}
+#: where each built workload's datasets go, under data/
+FOLDERS = {"realistic": "realistic", "toy": "long_context", "long_text": "long_text"}
 
 
 @dataclass
@@ -76,7 +84,7 @@ class Point:
     warmup: int = 3
     estimate_s: int = 90  # for --deadline
     stock: bool = False  # stock TorchTitan (torchtitan.train, Llama-3), else run_train.sh
-    workload: str = "toy"  # realistic, toy or text (stock points: text)
+    workload: str = "toy"  # one of WORKLOADS (stock points: text)
     compile: bool = False  # torch.compile (model, loss), TORCH_LOGS=recompiles
     env: dict[str, str] = field(default_factory=dict)
     build_args: tuple[str, ...] = ()  # extra arguments of its dataset's builder
@@ -95,14 +103,13 @@ class Point:
             return STOCK_TEXT
         # per config: media token counts (and so what fits) depend on the model's processors
         stem = os.path.splitext(os.path.basename(self.config))[0]
-        folder = "realistic" if self.workload == "realistic" else "long_context"
-        return f"data/{folder}/{stem}_{self.seq_len // 1024}k"
+        return f"data/{FOLDERS[self.workload]}/{stem}_{self.seq_len // 1024}k"
 
     def build_command(self) -> list[str]:
         """The builder call of this point's dataset (not for the text workload)."""
         return [sys.executable, "scripts/build_long_context_dataset.py", "--config", self.config,
                 "--seq-len", str(self.seq_len), "--out", self.dataset(), "--workload",
-                self.workload, "--rows", "16" if self.seq_len <= 32768 else "8", "--quiet",
+                BUILT[self.workload], "--rows", "16" if self.seq_len <= 32768 else "8", "--quiet",
                 *self.build_args]
 
     def command(self) -> list[str]:
@@ -202,6 +209,8 @@ TOKENS = ("--parallelism.expert_dispatch", "tokens")
 #: each encoder block its own FSDP unit (the default before 2026-11-26: each encoder one unit)
 BLOCK_UNITS = ("--parallelism.encoder_fsdp_unit", "block")
 NO_ENCODER_AC = ("--omni.encoder_activation_checkpoint", "none")
+# encoder AC on every call, small ones too (the configs exempt calls under 1,024 rows)
+EVERY_ENCODER_CALL_AC = ("--omni.encoder_checkpoint_min_tokens", "0")
 KEEP_EXCHANGES = ("--parallelism.expert_ac_keep_exchanges",)  # AC around the EP exchanges
 
 
@@ -233,6 +242,7 @@ def omni_2gpu() -> list[Point]:
     eager = [
         Point("stock_llama3_8B_8k_fsdp2", "8B", 2, 8192, SEL, stock=True, estimate_s=80),
         Point("omni_8B_8k_text_only", LLAMA8B, 2, 8192, SEL, workload="text", estimate_s=90),
+        Point("omni_8B_8k_long_text", LLAMA8B, 2, 8192, SEL, workload="long_text", estimate_s=90),
         Point("omni_8B_8k_realistic", LLAMA8B, 2, 8192, SEL, workload="realistic", estimate_s=100),
         Point("omni_8B_8k_toy", LLAMA8B, 2, 8192, SEL, workload="toy", estimate_s=90),
         # each encoder block an FSDP unit (parallelism.encoder_fsdp_unit "block")
@@ -263,9 +273,12 @@ def llama_4gpu() -> list[Point]:
         Point("omni_8B_8k_sp1_realistic", LLAMA8B, 4, 8192, SEL, steps=12, workload="realistic",
               estimate_s=90),
         Point("omni_8B_8k_sp1_toy", LLAMA8B, 4, 8192, SEL, steps=12, estimate_s=80),
-        # the omni model on the stock run's text: the LLM path alone (every part skipped)
+        # the omni model on the stock run's text: the LLM path alone (every part skipped), and
+        # on text in documents as long as the media rows' (their attention costs)
         Point("omni_8B_8k_text_only", LLAMA8B, 4, 8192, SEL, steps=12, workload="text",
               estimate_s=70),
+        Point("omni_8B_8k_long_text", LLAMA8B, 4, 8192, SEL, steps=12, workload="long_text",
+              estimate_s=75),
         Point("omni_8B_32k_sp4_realistic", LLAMA8B, 4, 32768, SEL + _sp(4), steps=8,
               workload="realistic", estimate_s=100),
         Point("omni_8B_128k_sp4_full_ac_realistic", LLAMA8B, 4, 131072, FULL + _sp(4), steps=5,
@@ -316,12 +329,14 @@ def moe_4gpu() -> list[Point]:
                 cut + _ep(4) + (profile if seq == 8192 and workload in ("text", "toy") else ()),
                 workload=workload, estimate_s=80)
           for seq, workload in ((8192, "text"), (16384, "text"), (8192, "toy"),
-                                (8192, "realistic"), (32768, "realistic"))],
+                                (8192, "realistic"), (32768, "realistic"), (8192, "long_text"))],
+        Point("moe_30B-A3B_12L_8k_ep4_toy_exact_encoder_ac_every_call", MOE, 4, 8192,
+              cut + _ep(4) + EVERY_ENCODER_CALL_AC, workload="toy", estimate_s=80),
         # the exact dispatcher compiled (blocks in pieces at the split-size reads): the
         # encoders' compiled blocks against their eager host time on the toy rows
         *[compiled(Point(f"moe_30B-A3B_12L_8k_ep4_{workload}_exact", MOE, 4, 8192,
                          cut + _ep(4), workload=workload, estimate_s=80), 70)
-          for workload in ("text", "toy", "realistic")],
+          for workload in ("text", "toy", "realistic", "long_text")],
         # full AC around the expert exchanges (no all-to-all in the recompute)
         Point("moe_30B-A3B_12L_8k_ep4_text_exact_keep_exchanges", MOE, 4, 8192,
               cut + _ep(4) + KEEP_EXCHANGES, workload="text",
@@ -591,18 +606,22 @@ def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "")
 
 def add_ratios(rows: list[dict]) -> None:
     """Each measured row's tokens/s over the stock row of the same GPUs, sequence length and
-    compile setting (``vs_stock``), and over the omni text-only row of the same model too
-    (``vs_text``), when those were measured."""
+    compile setting (``vs_stock``), and over the omni text-only and long-text rows of the same
+    model too (``vs_text``, ``vs_long_text``), when those were measured."""
     def key(r, model: bool):
         return r["ngpu"], r["seq_len"], r.get("compile", False), r.get("config") if model else None
 
     stock = {key(r, False): r["tps"] for r in rows if r.get("stock") and "tps" in r}
-    text = {key(r, True): r["tps"] for r in rows
-            if not r.get("stock") and r.get("workload") == "text" and "tps" in r}
+    def omni(workload: str) -> dict:
+        return {key(r, True): r["tps"] for r in rows
+                if not r.get("stock") and r.get("workload") == workload and "tps" in r}
+
+    refs = (("vs_stock", stock, False), ("vs_text", omni("text"), True),
+            ("vs_long_text", omni("long_text"), True))
     for r in rows:
         if "tps" not in r:
             continue
-        for name, ref, model in (("vs_stock", stock, False), ("vs_text", text, True)):
+        for name, ref, model in refs:
             if ref.get(key(r, model)):
                 r[name] = r["tps"] / ref[key(r, model)]
 
@@ -668,8 +687,8 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 def _data_cell(row: dict) -> str:
     """``realistic (50%)``: the workload and its media share (two digits under 1%)."""
     share, workload = row.get("media_share"), row.get("workload", "-")
-    if share is None or workload == "text":
-        return workload
+    if share is None or workload in ("text", "long_text"):
+        return workload.replace("_", " ")
     return f"{workload} ({100 * share:{'.2g' if share < 0.01 else '.0f'}}%)"
 
 
@@ -678,17 +697,19 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
     lines = [
         f"Device: {device}. tokens/s/GPU (every real LLM position, media included), MFU and "
         "step time: medians over the steps after warm-up (steps' range: their slowest and "
-        "fastest step's tokens/s/GPU); vs stock / vs text-only: tokens/s "
-        "over the stock and omni text-only points of the same GPUs, seq and compile setting; "
+        "fastest step's tokens/s/GPU); vs stock / vs text-only / vs long text: tokens/s "
+        "over the stock, omni text-only (packed short documents) and omni long-text (one "
+        "document per row, as the media rows) points of the same GPUs, seq and compile "
+        "setting; "
         "memory: peak reserved; recompiles: rank 0's under TORCH_LOGS=recompiles.",
         *([data_note] if data_note else []),
         "",
         "| point | GPUs | seq | data (media share) | compile | tokens/s/GPU | steps' range "
         "| vs stock "
-        "| vs text-only | MFU (model FLOPs) | MFU (TorchTitan formula) | step (s) "
+        "| vs text-only | vs long text | MFU (model FLOPs) | MFU (TorchTitan formula) | step (s) "
         "| peak mem (GiB) | recompiles | status |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-        "| --- |",
+        "| --- | --- |",
     ]
     for r in rows:
         status = r.get("status") or ("ok" if r.get("rc") == 0 else f"exit {r.get('rc')}")
@@ -699,6 +720,7 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
             f"| {r['name']} | {r['ngpu']} | {r['seq_len'] // 1024}K | {_data_cell(r)} | "
             f"{'yes' if r.get('compile') else 'no'} | {_fmt(r.get('tps'), ',.0f')} | {spread} | "
             f"{_fmt(r.get('vs_stock'), '.2f', 'x')} | {_fmt(r.get('vs_text'), '.2f', 'x')} | "
+            f"{_fmt(r.get('vs_long_text'), '.2f', 'x')} | "
             f"{_fmt(r.get('mfu'), '.1f', '%')} | {_fmt(r.get('mfu_titan'), '.1f', '%')} | "
             f"{_fmt(r.get('step_s'), '.2f')} | {_fmt(r.get('mem_gib'), '.1f')} | {recompiles} | "
             f"{status} |")

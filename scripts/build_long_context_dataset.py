@@ -5,7 +5,7 @@ tokenizer and media processors count them) with ``<image>``/``<video>``/``<audio
 placeholders between real paragraphs of the bundled text task. Packing then gives one
 document per row, so attention really spans the whole sequence (packed short documents would
 make long-context figures look better than they are). Every row is checked with the training
-pipeline's own document encoder: it must fit in ``seq_len``. Two workloads:
+pipeline's own document encoder: it must fit in ``seq_len``. Three workloads:
 
 - ``--workload realistic`` (default): media of the sizes real omni training feeds
   (``torchtitan_omni/data/default_dataset/realistic.py``): photos and digit grids of 448-1,024
@@ -17,6 +17,9 @@ pipeline's own document encoder: it must fit in ``seq_len``. Two workloads:
 - ``--workload toy``: the bundled dataset's own media (48 px images, 8 frames of 32
   px) with an image every ``--image-every`` text tokens and a clip every ``--video-every``:
   under 1% of the tokens with the real flavors' processing.
+- ``--workload text``: the same paragraphs and document lengths with no media: the text
+  baseline of the media rows (one document per row, so attention costs what it costs there;
+  the bundled text packed into rows has short documents and much cheaper attention).
 
     python3 scripts/build_long_context_dataset.py --config train_configs/llama_omni_8B.toml \\
         --seq-len 8192 --out data/realistic/llama_omni_8B_8k
@@ -71,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--fill", type=float, default=0.95, help="document length / seq_len")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workload", choices=("realistic", "toy"), default="realistic")
+    p.add_argument("--workload", choices=("realistic", "toy", "text"),
+                   default="realistic")
     p.add_argument("--quiet", action="store_true", help="no per-row lines")
     toy = p.add_argument_group("toy workload")
     toy.add_argument("--image-every", type=int, default=1024,
@@ -553,8 +557,9 @@ def main(argv: list[str] | None = None) -> dict:
         stats = MediaStats(processors)
         builder = DocumentBuilder(tokenizer, stats, args.out)
         cycles = [itertools.cycle(x) for x in (texts, images, videos)]
+        every = (args.image_every, args.video_every)
         for _ in range(args.rows):
-            rows.append(builder.build(budget, *cycles, args.image_every, args.video_every))
+            rows.append(builder.build(budget, *cycles, *every))
 
     check = DocumentEncoder(tokenizer, stats.replay(), args.seq_len, args.out,
                             split_long_text=False)

@@ -208,6 +208,7 @@ def test_ratios_pair_points_of_the_same_gpus_seq_model_and_compile_setting():
     rows = [
         _row("stock", 8000.0, stock=True, config="8B_16L"),
         _row("text", 9000.0, workload="text"),
+        _row("long_text", 8000.0, workload="long_text"),
         _row("realistic", 4000.0),
         _row("moe", 3000.0, config="moe.toml"),  # another model: no text-only reference
         _row("realistic_32k", 2000.0, seq=32768),  # no reference at 32K
@@ -220,6 +221,8 @@ def test_ratios_pair_points_of_the_same_gpus_seq_model_and_compile_setting():
     by = {r["name"]: r for r in rows}
     assert by["stock"]["vs_stock"] == 1.0 and by["text"]["vs_text"] == 1.0
     assert by["realistic"]["vs_stock"] == 0.5 and by["realistic"]["vs_text"] == pytest.approx(4 / 9)
+    assert by["realistic"]["vs_long_text"] == 0.5 and by["long_text"]["vs_text"] == pytest.approx(8 / 9)
+    assert "vs_long_text" not in by["moe"] and "vs_long_text" not in by["realistic_compile"]
     assert by["moe"]["vs_stock"] == 3000 / 8000 and "vs_text" not in by["moe"]
     assert "vs_stock" not in by["realistic_32k"] and "vs_text" not in by["realistic_32k"]
     assert by["realistic_compile"]["vs_stock"] == 0.5 and "vs_text" not in by["realistic_compile"]
@@ -227,10 +230,11 @@ def test_ratios_pair_points_of_the_same_gpus_seq_model_and_compile_setting():
     by["stock"]["media_share"] = 0.0
     text = bench.table(rows, "test device")
     line = next(x for x in text.splitlines() if x.startswith("| realistic |"))
-    assert ("| realistic (50%) | no | 4,000 | - | 0.50x | 0.44x | 20.0% | - | 1.00 | 70.0 | - "
-            "| ok |") in line
+    assert ("| realistic (50%) | no | 4,000 | - | 0.50x | 0.44x | 0.50x | 20.0% | - | 1.00 | 70.0 "
+            "| - | ok |") in line
     line = next(x for x in text.splitlines() if x.startswith("| realistic_compile |"))
-    assert "| yes | 5,000 | - | 0.50x | - |" in line and line.endswith("| 3 | ok |")
+    assert "| yes | 5,000 | - | 0.50x | - | - |" in line and line.endswith("| 3 | ok |")
+    assert "| long_text | 1 | 8K | long text | no | 8,000 | - | 1.00x | 0.89x | 1.00x |" in text
     assert "| stock | 1 | 8K | text | no | 8,000 | - | 1.00x | - |" in text
     assert "| skipped | 1 | 8K | - | no | - | - | - | - |" in text and "not run (deadline)" in text
 
@@ -262,9 +266,15 @@ def test_plans_and_the_compile_filters():
         bench.select(plan, "nope", False, False)
     two = bench.PLANS["omni_2gpu"]
     assert {(p.workload, p.seq_len, p.stock) for p in two if not p.compile} == {
-        ("text", 8192, True), ("text", 8192, False), ("realistic", 8192, False),
+        ("text", 8192, True), ("text", 8192, False), ("long_text", 8192, False),
+        ("realistic", 8192, False),
         ("toy", 8192, False), ("realistic", 32768, False), ("realistic", 65536, False),
         ("realistic", 131072, False)}
+    long_text = next(p for p in two if p.workload == "long_text" and not p.compile)
+    assert long_text.dataset() == "data/long_text/llama_omni_8B_8k"
+    assert "--workload text" in " ".join(long_text.build_command())
+    assert "--data.modalities" not in long_text.command()
+    assert "--data.buffer_docs" in long_text.command()  # packed one document per row
     offload = next(p for p in two if p.seq_len == 131072).command()
     assert "--omni.activation_offload" in offload and "--training.enable_cpu_offload" in offload
     sp2 = next(p for p in two if p.seq_len == 32768).command()

@@ -161,3 +161,16 @@ def test_long_context_builder_fills_rows_that_fit(built, tmp_path):
         assert row["text"].count("<image>") == len(row["images"])
         assert row["text"].count("<video>") == len(row["videos"])
         assert all((out / p).is_file() for p in row["images"] + row["videos"])
+    # the text workload: the same paragraphs in documents of the same length, no media
+    text = builder.main([
+        "--config", str(REPO / "train_configs" / "llama_omni_debug.toml"), "--seq-len", "2048",
+        "--out", str(tmp_path / "text"), "--rows", "3", "--workload", "text",
+        "--training.dataset_path", str(path), "--model.hf_assets_path", str(tok_dir),
+    ])
+    assert text["workload"] == "text" and text["media_share"] == 0 and not text["modalities"]
+    assert 0.85 * 2048 < text["tokens_per_row"]["min"] <= text["tokens_per_row"]["max"] <= 2048
+    text_rows = [json.loads(line) for line in (tmp_path / "text" / "train.jsonl").read_text()
+                 .splitlines()]
+    assert len(text_rows) == 3
+    assert all(not r.get("images") and not r.get("videos") for r in text_rows)
+    assert all("<image>" not in r["text"] and "<video>" not in r["text"] for r in text_rows)

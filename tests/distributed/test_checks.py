@@ -112,6 +112,13 @@ def test_validate_job_config_layouts():
     _refused(moe, 2, "'tokens' is exact only, but expert_capacity_factor is 1.25")
     moe.parallelism.expert_capacity_factor = 0.0
     validate_job_config(moe, world_size=2)
+    # the encoders' small-call exemption: refused negative; a modifier of encoder AC, so
+    # accepted (and without effect) where no encoder is checkpointed, as selective_ac_option is
+    cfg.omni.encoder_checkpoint_min_tokens = -1
+    _refused(cfg, 1, "encoder_checkpoint_min_tokens must be >= 0")
+    cfg.omni.encoder_checkpoint_min_tokens = 1024
+    validate_job_config(cfg, world_size=1)
+    cfg.omni.encoder_checkpoint_min_tokens = 0
     cfg.activation_checkpoint.mode = "memory_budget"
     _refused(cfg, 1, "memory_budget")
     cfg.activation_checkpoint.mode = "selective"

@@ -166,6 +166,12 @@ class Omni:
     the LLM): "full" recomputes each block in backward, "op" saves the outputs of its matrix
     products and attention and recomputes the rest (TorchTitan's selective per-op AC)."""
 
+    encoder_checkpoint_min_tokens: int = 0
+    """Encoder and decoder blocks checkpointed above (or by their parallelism.parts table) run
+    a call without the checkpoint when its input has fewer rows (patches, frames, tokens) than
+    this: small inputs save little memory, and recomputing them is mostly kernel-launch time
+    (0: checkpoint every call). The results are the same either way."""
+
     activation_offload: bool = False
     """Keep the LLM blocks' saved activations in pinned host memory between forward and
     backward (torchtitan_omni.distributed.activation_offload): longer sequences fit on the GPU,

@@ -6,7 +6,11 @@ The LLM's units (the plan's ``ac_units`` of the ``llm`` part) follow TorchTitan'
 the outputs of matmuls and attention and recomputing the rest). Encoder and decoder units
 follow their ``activation_checkpoint``: their ``[parallelism.parts."<part>"]`` table's, else
 ``omni.encoder_activation_checkpoint`` (``"none" | "full" | "op"``, the last being the per-op
-selective mode).
+selective mode). ``omni.encoder_checkpoint_min_tokens`` exempts their small calls: a unit
+whose input holds fewer rows (tokens, patches, frames) than that runs without a checkpoint.
+Those calls save little memory, and on the GPU their recompute is almost all host time (an
+encoder block on a few thumbnails: dozens of kernel launches for microseconds of work each).
+The result is the same either way: recomputing repeats the forward exactly.
 
 A checkpointed unit gets :class:`Checkpointed` first in its class
 (``torchtitan_omni.modules.wrapping.extend_class``), whose ``forward`` runs the unit's own
@@ -33,6 +37,7 @@ checkpointing refuses.)
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -75,10 +80,13 @@ def pieces_around_exchanges(unit: nn.Module) -> list[nn.Module]:
 
 
 def checkpoint_units(units: list[nn.Module], mode: str, option: str = "1", *,
-                     preserve_rng_state: bool = True, keep_exchanges: bool = False) -> int:
+                     preserve_rng_state: bool = True, keep_exchanges: bool = False,
+                     min_rows: int = 0) -> int:
     """Checkpoint ``units`` (in model order) by ``mode``; returns how many were wrapped.
     ``keep_exchanges``: units with MoE layers under expert parallel are checkpointed around
-    their exchanges (:func:`pieces_around_exchanges`), each counting as one unit wrapped."""
+    their exchanges (:func:`pieces_around_exchanges`), each counting as one unit wrapped.
+    ``min_rows``: calls whose first tensor input has fewer rows (its elements over its last
+    dimension) run without the checkpoint (0: every call is checkpointed)."""
     if mode == "none" or not units:
         return 0
     kwargs = {"preserve_rng_state": preserve_rng_state, "use_reentrant": False}
@@ -103,25 +111,38 @@ def checkpoint_units(units: list[nn.Module], mode: str, option: str = "1", *,
     for i, unit in enumerate(units):
         if (i + 1) % every == 0:
             for piece in pieces_around_exchanges(unit) if keep_exchanges else [unit]:
-                _checkpoint_forward(piece, kwargs)
+                _checkpoint_forward(piece, kwargs, min_rows)
             wrapped += 1
     return wrapped
 
 
 class Checkpointed(nn.Module):
     """Mixin: the unit's forward under ``torch.utils.checkpoint`` (options in
-    ``_omni_checkpoint_options``)."""
+    ``_omni_checkpoint_options``), except for calls whose first tensor input has fewer rows
+    than ``_omni_checkpoint_min_rows``."""
 
     _omni_checkpoint_options: dict
+    _omni_checkpoint_min_rows: int = 0
 
     def forward(self, *args, **kwargs):
+        if self._omni_checkpoint_min_rows and _rows(args) < self._omni_checkpoint_min_rows:
+            return super().forward(*args, **kwargs)
         return checkpoint(super().forward, *args, **self._omni_checkpoint_options, **kwargs)
 
 
-def _checkpoint_forward(unit: nn.Module, kwargs: dict) -> None:
+def _rows(args: tuple) -> int:
+    """Rows of the first tensor among ``args``: its elements over its last dimension."""
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if x is None or x.dim() == 0:
+        return 0
+    return x.numel() // max(1, x.shape[-1])
+
+
+def _checkpoint_forward(unit: nn.Module, kwargs: dict, min_rows: int = 0) -> None:
     if isinstance(unit, Checkpointed):
         raise ValueError(f"{type(unit).__name__} is activation-checkpointed twice")
-    extend_class(unit, Checkpointed, _omni_checkpoint_options=kwargs)
+    extend_class(unit, Checkpointed, _omni_checkpoint_options=kwargs,
+                 _omni_checkpoint_min_rows=min_rows)
 
 
 def is_checkpointed(module: nn.Module) -> bool:

@@ -228,8 +228,9 @@ def apply_activation_checkpointing(
                 keep_exchanges=job_config.parallelism.expert_ac_keep_exchanges)
         else:
             mode = part_settings(job_config, part.root).activation_checkpoint
-            n = (checkpoint_units(units, "selective", "op") if mode == "op"
-                 else checkpoint_units(units, mode))
+            min_rows = job_config.omni.encoder_checkpoint_min_tokens
+            n = (checkpoint_units(units, "selective", "op", min_rows=min_rows) if mode == "op"
+                 else checkpoint_units(units, mode, min_rows=min_rows))
         if n:
             done[part.root] = n
     return done
@@ -382,9 +383,11 @@ def parallelize_omni(
 
     ac = apply_activation_checkpointing(model, plan, job_config)
     if ac:
-        logger.info(
-            "Activation checkpointing: " + ", ".join(f"{k}: {v} units" for k, v in ac.items())
-        )
+        min_rows = job_config.omni.encoder_checkpoint_min_tokens
+        exempt = (f" (encoder and decoder calls of under {min_rows:,} rows run unchecked)"
+                  if min_rows and any(not k.startswith("llm") for k in ac) else "")
+        logger.info("Activation checkpointing: "
+                    + ", ".join(f"{k}: {v} units" for k, v in ac.items()) + exempt)
 
     compiled = apply_compile(model, plan, job_config, graph_breaks=False if inside else None)
     if compiled:

@@ -1,0 +1,77 @@
+"""Activation checkpointing of encoder blocks with the small-call exemption
+(``omni.encoder_checkpoint_min_tokens``): which calls recompute, and that the results do not
+depend on it (one process, float32)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units, is_checkpointed
+from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder
+from torchtitan_omni.modules.init import init_context
+
+MIN_ROWS = 40
+
+
+def _encoder() -> VisionEncoder:
+    enc = VisionEncoder(VisionArgs.debug(), llm_dim=32)
+    with init_context(enc):
+        enc.init_weights()
+    return enc
+
+
+def _media(items: int) -> dict[str, torch.Tensor]:
+    """``items`` images of 2 x 2 merge windows (16 patches each)."""
+    args = VisionArgs.debug()
+    grid = torch.tensor([[1, 4, 4]] * items)
+    g = torch.Generator().manual_seed(items)
+    return {"patches": torch.randn(16 * items, args.patch_dim, generator=g), "grid_thw": grid}
+
+
+def _fc1_calls(enc: VisionEncoder) -> list[int]:
+    """A counter of the blocks' first MLP linear calls; a recompute calls it once more."""
+    calls = [0]
+
+    def count(*_):
+        calls[0] += 1
+
+    for block in enc.blocks:
+        block.mlp.fc1.register_forward_hook(count)
+    return calls
+
+
+def _step(enc: VisionEncoder, media) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    enc.zero_grad()
+    out = enc.lm_encode(media, "image")
+    (out.square().sum()).backward()
+    return out.detach(), {n: p.grad.clone() for n, p in enc.named_parameters()}
+
+
+@pytest.mark.parametrize("items", [2, 3])  # 32 rows (under MIN_ROWS), 48 rows (over)
+def test_small_calls_run_unchecked_and_results_do_not_change(items):
+    reference = _encoder()
+    checked = copy.deepcopy(reference)
+    depth = len(checked.blocks)
+    assert checkpoint_units(list(checked.blocks), "full", min_rows=MIN_ROWS) == depth
+    assert all(is_checkpointed(b) for b in checked.blocks)
+    calls = _fc1_calls(checked)
+    media = _media(items)
+    out, grads = _step(checked, media)
+    recomputed = 16 * items >= MIN_ROWS
+    # forward once per block, plus the recompute of every block in the backward when checked
+    assert calls[0] == depth * (2 if recomputed else 1), (items, calls[0])
+    ref_out, ref_grads = _step(reference, media)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_without_a_threshold_every_call_is_checkpointed():
+    enc = _encoder()
+    checkpoint_units(list(enc.blocks), "full")
+    calls = _fc1_calls(enc)
+    _step(enc, _media(1))  # 16 rows
+    assert calls[0] == 2 * len(enc.blocks)
