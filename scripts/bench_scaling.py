@@ -293,7 +293,8 @@ def llama_4gpu() -> list[Point]:
                 workload=workload, estimate_s=85)
           for workload in ("toy", "realistic")
           for tag, flags in (("encoder_unit_block", BLOCK_UNITS),
-                             ("encoders_no_ac", NO_ENCODER_AC))],
+                             ("encoders_no_ac", NO_ENCODER_AC),
+                             ("encoder_ac_every_call", EVERY_ENCODER_CALL_AC))],
     ]
 
 
