@@ -12,8 +12,9 @@ sequence):
 - ``long_text``: the same paragraphs in documents of the same length, without media: the
   text baseline of the media rows (their attention spans the whole row too);
 - ``text``: the bundled text, packed (stock TorchTitan's data, for the omni text-only point):
-  short documents, so its attention costs far less than the rows above (about 1.4x fewer
-  FLOPs per token on the MoE 12-layer cut at 8K, 1.15x on LLaMA#Omni 8B).
+  short documents, so its attention costs far less than the rows above' (by the trainer's
+  FLOP count, the toy 8K rows carry 1.40x its FLOPs per token on the MoE 12-layer cut, 1.14x
+  on LLaMA#Omni 8B).
 
 A plan may hold stock TorchTitan 0.2.2 (Llama-3 on the bundled text) and the omni trainer on
 the same text as baselines of the same call. For each point it reads the per-step log lines
@@ -666,6 +667,10 @@ def prepare_data(points: list[Point]) -> tuple[list[str], float]:
     for cmd in builds.values():
         if subprocess.run(cmd, cwd=REPO).returncode:
             raise SystemExit(f"building a dataset failed: {shlex.join(cmd)}")
+    for p in points:
+        if p.workload == "long_text" and media_share(p) != 0.0:
+            raise SystemExit(f"{p.dataset()}: the long-text rows hold media (share "
+                             f"{media_share(p)}): they would not be the text baseline")
     return list(builds), time.monotonic() - start
 
 

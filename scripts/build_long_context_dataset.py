@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> dict:
         stats = MediaStats(processors)
         builder = DocumentBuilder(tokenizer, stats, args.out)
         cycles = [itertools.cycle(x) for x in (texts, images, videos)]
-        every = (args.image_every, args.video_every)
+        every = (args.image_every, args.video_every) if args.workload == "toy" else (0, 0)
         for _ in range(args.rows):
             rows.append(builder.build(budget, *cycles, *every))
 

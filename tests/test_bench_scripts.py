@@ -301,3 +301,20 @@ def test_cut_llama3_flavors_of_stock_torchtitan():
         assert cut.n_layers == n and cut is not args["8B"]
         assert {**vars(cut), "n_layers": 32} == vars(args["8B"])
     assert args["8B"].n_layers == 32
+
+
+def test_long_text_rows_with_media_are_refused_before_any_point_runs(tmp_path, monkeypatch):
+    """The long-text baseline must hold no media: a dataset whose manifest says otherwise (a
+    builder that put the toy media in) stops the run before it spends GPU time."""
+    bench = _script("bench_scaling")
+    monkeypatch.setattr(bench, "REPO", str(tmp_path))
+    point = next(p for p in bench.PLANS["llama_4gpu"] if p.workload == "long_text")
+    folder = tmp_path / point.dataset()
+    folder.mkdir(parents=True)
+    manifest = {"arguments": point.build_command()[2:], "media_share": 0.0067}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match="long-text rows hold media"):
+        bench.prepare_data([point])
+    manifest["media_share"] = 0.0
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert bench.prepare_data([point])[0] == []  # built already, nothing to build
