@@ -75,3 +75,22 @@ def test_without_a_threshold_every_call_is_checkpointed():
     calls = _fc1_calls(enc)
     _step(enc, _media(1))  # 16 rows
     assert calls[0] == 2 * len(enc.blocks)
+
+
+def test_compiled_blocks_with_the_exemption_match_eager():
+    """Checkpointed, then compiled (as ``parallelize`` orders them): calls on both sides of the
+    threshold give the unchecked eager encoder's outputs and gradients."""
+    from torchtitan_omni.distributed.compile import compile_units
+
+    torch._dynamo.reset()
+    reference = _encoder()
+    compiled = copy.deepcopy(reference)
+    checkpoint_units(list(compiled.blocks), "full", min_rows=MIN_ROWS)
+    compile_units(list(compiled.blocks), "inductor")
+    for items in (2, 3, 2):  # 32 rows, 48 rows, 32 again
+        media = _media(items)
+        out, grads = _step(compiled, media)
+        ref_out, ref_grads = _step(reference, media)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
