@@ -668,9 +668,10 @@ def prepare_data(points: list[Point]) -> tuple[list[str], float]:
         if subprocess.run(cmd, cwd=REPO).returncode:
             raise SystemExit(f"building a dataset failed: {shlex.join(cmd)}")
     for p in points:
-        if p.workload == "long_text" and media_share(p) != 0.0:
-            raise SystemExit(f"{p.dataset()}: the long-text rows hold media (share "
-                             f"{media_share(p)}): they would not be the text baseline")
+        share = media_share(p) if p.workload == "long_text" else 0.0
+        if share != 0.0:
+            raise SystemExit(f"{p.dataset()}: the long-text rows hold media (share {share}): "
+                             "they would not be the text baseline")
     return list(builds), time.monotonic() - start
 
 

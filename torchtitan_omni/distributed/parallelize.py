@@ -385,7 +385,8 @@ def parallelize_omni(
     if ac:
         min_rows = job_config.omni.encoder_checkpoint_min_tokens
         exempt = (f" (encoder and decoder calls of under {min_rows:,} rows run unchecked)"
-                  if min_rows and any(not k.startswith("llm") for k in ac) else "")
+                  if min_rows and any(not is_llm_part(p) for p in plan.parts if p.root in ac)
+                  else "")
         logger.info("Activation checkpointing: "
                     + ", ".join(f"{k}: {v} units" for k, v in ac.items()) + exempt)
 
