@@ -432,6 +432,9 @@ def test_run_train_with_part_tables_matches_default(tmp_path):
         run = run_train(config, 2, "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps",
                         str(STEPS), "--debug.deterministic", "--debug.seed", "42",
                         "--parallelism.ulysses_degree", "2",
+                        # 1 row: every non-empty encoder call is still checkpointed; the log
+                        # says so where an encoder is, and warns where none is (the default)
+                        "--omni.encoder_checkpoint_min_tokens", "1",
                         "--job.dump_folder", str(tmp_path / name))
         assert run.returncode == 0, run.output[-4000:]
         assert sorted(run.losses) == list(range(1, STEPS + 1)), run.output[-3000:]
@@ -440,6 +443,11 @@ def test_run_train_with_part_tables_matches_default(tmp_path):
     assert "Encoders split media items over SP ranks: audio" in out
     assert "Encoders balance media items over 2 ranks: vision" in out
     assert "encoders.vision: none, one unit, encoders.audio: dp_shard," in out
+    assert ("Activation checkpointing: encoders.vision: 2 units (encoder and decoder calls of "
+            "under 1 rows run unchecked)") in out, out[-3000:]
+    assert "has nothing to exempt" not in out
+    assert ("omni.encoder_checkpoint_min_tokens = 1 has nothing to exempt: no encoder or "
+            "decoder is activation-checkpointed") in runs["default"].output
     # the default: each encoder one FSDP unit
     assert "encoders.vision: fsdp, one unit, encoders.audio: fsdp, one unit" in (
         runs["default"].output)

@@ -382,13 +382,16 @@ def parallelize_omni(
                     + ", ".join(f"{k}: {v}" for k, v in pieces.items()))
 
     ac = apply_activation_checkpointing(model, plan, job_config)
+    min_rows = job_config.omni.encoder_checkpoint_min_tokens
+    encoders_checked = any(not is_llm_part(p) for p in plan.parts if p.root in ac)
     if ac:
-        min_rows = job_config.omni.encoder_checkpoint_min_tokens
         exempt = (f" (encoder and decoder calls of under {min_rows:,} rows run unchecked)"
-                  if min_rows and any(not is_llm_part(p) for p in plan.parts if p.root in ac)
-                  else "")
+                  if min_rows and encoders_checked else "")
         logger.info("Activation checkpointing: "
                     + ", ".join(f"{k}: {v} units" for k, v in ac.items()) + exempt)
+    if min_rows and not encoders_checked:
+        logger.warning(f"omni.encoder_checkpoint_min_tokens = {min_rows} has nothing to exempt: "
+                       "no encoder or decoder is activation-checkpointed")
 
     compiled = apply_compile(model, plan, job_config, graph_breaks=False if inside else None)
     if compiled:
