@@ -170,7 +170,8 @@ class Omni:
     """Encoder and decoder blocks checkpointed above (or by their parallelism.parts table) run
     a call without the checkpoint when its input has fewer rows (patches, frames, tokens) than
     this: small inputs save little memory, and recomputing them is mostly kernel-launch time
-    (0: checkpoint every call). The results are the same either way."""
+    (0: checkpoint every call). The results are the same either way. Set where no encoder or
+    decoder is checkpointed, it has nothing to act on, and start-up warns so."""
 
     activation_offload: bool = False
     """Keep the LLM blocks' saved activations in pinned host memory between forward and
