@@ -380,6 +380,22 @@ def moe_4gpu() -> list[Point]:
     ]
 
 
+def moe_2gpu() -> list[Point]:
+    """Qwen3-MoE#Omni at the 30B-A3B layer shape cut to 12 layers on 2 GPUs (issue 12's EP2
+    figures): experts over both ranks (EP2, FSDP over both), full activation checkpointing, the
+    exact dispatcher, 8K: packed text, text in documents as long as the media rows', toy and
+    realistic rows; packed text at 16K (whether the step scales with tokens); then text and toy
+    compiled. About 65 GiB of sharded fp32 states and AdamW moments per GPU: H100s are tight."""
+    cut = _layers(12) + FULL + _ep(2)
+
+    def point(seq: int, workload: str, **kw) -> Point:
+        return Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep2_{workload}_exact", MOE, 2, seq, cut,
+                     workload=workload, estimate_s=90, **kw)
+
+    eager = [point(8192, w) for w in ("text", "long_text", "toy", "realistic")]
+    return eager + [point(16384, "text", steps=8)] + [compiled(p, 70) for p in eager[::2]]
+
+
 def moe_dispatch(ngpu: int) -> list[Point]:
     """MoE dispatch (issue 12) at the 30B-A3B layer shape: the exact uneven all-to-all (a host
     sync per layer) against capacity-padded dispatch (static splits), eager and compiled; with
@@ -488,7 +504,8 @@ def smoke_cpu() -> list[Point]:
 def build_plans(llm_layers: int = 16) -> dict[str, list[Point]]:
     """Every plan; ``llm_layers``: the LLM layers of the 1-GPU plan."""
     return {"omni_1gpu": omni_1gpu(llm_layers), "omni_2gpu": omni_2gpu(),
-            "llama_4gpu": llama_4gpu(), "moe_4gpu": moe_4gpu(), "llama_8gpu": llama_8gpu(),
+            "llama_4gpu": llama_4gpu(), "moe_2gpu": moe_2gpu(),
+            "moe_4gpu": moe_4gpu(), "llama_8gpu": llama_8gpu(),
             "moe_8gpu": moe_8gpu(), "smoke_cpu": smoke_cpu(),
             "hetero_2gpu": hetero(2), "hetero_4gpu": hetero(4),
             **{f"moe_dispatch_{n}gpu": moe_dispatch(n) for n in (1, 2, 4)}}
