@@ -210,6 +210,8 @@ TOKENS = ("--parallelism.expert_dispatch", "tokens")
 #: each encoder block its own FSDP unit (the default before 2026-11-26: each encoder one unit)
 BLOCK_UNITS = ("--parallelism.encoder_fsdp_unit", "block")
 NO_ENCODER_AC = ("--omni.encoder_activation_checkpoint", "none")
+#: a log line every 10 steps (TorchTitan's default) instead of every step
+LOG10 = ("--metrics.log_freq", "10")
 # encoder AC on every call, small ones too (the configs exempt calls under 1,024 rows)
 EVERY_ENCODER_CALL_AC = ("--omni.encoder_checkpoint_min_tokens", "0")
 KEEP_EXCHANGES = ("--parallelism.expert_ac_keep_exchanges",)  # AC around the EP exchanges
@@ -246,6 +248,12 @@ def omni_2gpu() -> list[Point]:
         Point("omni_8B_8k_long_text", LLAMA8B, 2, 8192, SEL, workload="long_text", estimate_s=90),
         Point("omni_8B_8k_realistic", LLAMA8B, 2, 8192, SEL, workload="realistic", estimate_s=100),
         Point("omni_8B_8k_toy", LLAMA8B, 2, 8192, SEL, workload="toy", estimate_s=90),
+        # logging every 10 steps (TorchTitan's default; the points above log every step, and
+        # each logged step makes the host wait for the GPU at its end): whether the next step's
+        # launch-bound encoder phase can be queued behind the GPU's work
+        *[Point(f"omni_8B_8k_{workload}_log10", LLAMA8B, 2, 8192, SEL + LOG10, steps=30,
+                warmup=10, workload=workload, estimate_s=90)
+          for workload in ("long_text", "toy")],
         # each encoder block an FSDP unit (parallelism.encoder_fsdp_unit "block")
         Point("omni_8B_8k_toy_encoder_unit_block", LLAMA8B, 2, 8192, SEL + BLOCK_UNITS,
               workload="toy", estimate_s=90),
@@ -556,9 +564,11 @@ def count_recompiles(log: str) -> int:
 
 
 def step_time(steps: list[dict], warmup: int) -> float | None:
-    """Median seconds between consecutive step lines after ``warmup`` (log_freq 1)."""
-    times = {s["step"]: s["time"] for s in steps if "time" in s}
-    gaps = [times[k] - times[k - 1] for k in sorted(times) if k > warmup and k - 1 in times]
+    """Median seconds per step between consecutive step lines after ``warmup`` (with a line
+    every ``log_freq`` steps, a gap is divided by the steps it spans)."""
+    times = sorted((s["step"], s["time"]) for s in steps if "time" in s)
+    gaps = [(t1 - t0) / (k1 - k0) for (k0, t0), (k1, t1) in zip(times, times[1:])
+            if k0 >= warmup]
     return statistics.median(gaps) if gaps else None
 
 

@@ -162,6 +162,9 @@ def test_step_time_and_recompiles_of_a_compiled_point():
     # steps 3-6 took 1.5, 1.2, 1.2 and 2.5 s (step 2's 30 s of start-up is warm-up)
     assert bench.step_time(steps, warmup=2) == pytest.approx(1.35)
     assert bench.step_time(steps, warmup=6) is None
+    # a line every 10 steps (log_freq 10): each gap over the 10 steps it spans
+    sparse = [{"step": k, "time": t} for k, t in ((1, 0.0), (10, 40.0), (20, 52.0), (30, 62.0))]
+    assert bench.step_time(sparse, warmup=10) == pytest.approx(1.1)  # 1.2 and 1.0 s per step
     assert bench.count_recompiles(log) == 2
     eager = bench.Point("p", "train_configs/llama_omni_8B.toml", 1, 8192, warmup=2)
     row = bench.summarize(eager, steps[:2], 10.0, 0, log)
