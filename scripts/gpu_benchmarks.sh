@@ -18,8 +18,8 @@ if ! python3 -c "import torchtitan" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     || { echo "gpu_benchmarks: the carried wheels did not install" >&2; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
+else  # this tree first (a baseline tree run beside it keeps the installed wheels' path)
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
 deadline=${DEADLINE:-540}

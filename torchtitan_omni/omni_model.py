@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from torchtitan.protocols.model import ModelProtocol
 
+from torchtitan_omni.modules.host import release_host
 from torchtitan_omni.modules.init import init_context
 from torchtitan_omni.modules.lora import init_adapters
 from torchtitan_omni.protocols import batch as B
@@ -223,6 +224,7 @@ class OmniModel(ModelProtocol):
         absent: Collection[str] = (),
         label_groups: torch.Tensor | None = None,
         groups: Sequence[int] = (),
+        labelled: torch.Tensor | None = None,
         **batch: torch.Tensor,
     ) -> OmniOutput:
         """Summed losses of every head for one micro-batch (see module docstring).
@@ -230,14 +232,22 @@ class OmniModel(ModelProtocol):
         ``absent``: modalities that no rank has in this micro-batch (the trainer agrees on
         them over all ranks): their encoders and decoders are skipped instead of run on dummy
         media, and their parameters get no gradient this step. Without it, a rank lacking a
-        modality runs the dummy so that every rank runs every FSDP unit.
+        modality runs the dummy so that every rank runs every FSDP unit. ``labelled``: the flat
+        indices of the labelled positions, found on the host
+        (``components.inputs.model_inputs``); without it the text loss finds them on the
+        device, which makes the host wait for the forward to finish.
         """
+        batch = release_host(batch)  # item sizes the caller kept on the host (hold_on_host)
         h, targets = self.embed(tokens, batch, absent)
         hidden = self.llm(h, meta)
         out = OmniOutput()
         text_mask = labels != B.IGNORE_INDEX
         # labelled positions only, and no full-vocabulary logits kept (LinearHead)
-        if label_groups is None or not groups:
+        if labelled is not None and (label_groups is None or not groups):
+            out.losses[TEXT_LOSS] = self.llm.output(
+                hidden.flatten(0, 1).index_select(0, labelled),
+                labels.flatten().index_select(0, labelled))
+        elif label_groups is None or not groups:
             out.losses[TEXT_LOSS] = self.llm.output(hidden[text_mask], labels[text_mask])
         else:
             for g in groups:

@@ -71,7 +71,9 @@ from torchtitan_omni.distributed.rank_sets import (
     rank_set_dims,
 )
 from torchtitan_omni.distributed.sequence import shard_sequence
-from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_, reduce_moe_counts
+from torchtitan_omni.distributed.utils import (
+    all_reduce, all_reduce_on_host, clip_grad_norm_, reduce_moe_counts,
+)
 from torchtitan_omni.encoder_ranks import (
     NoBatches,
     encode_under,
@@ -81,6 +83,7 @@ from torchtitan_omni.encoder_ranks import (
 )
 from torchtitan_omni.errors import OmniInputError
 from torchtitan_omni.flops import FlopCounter
+from torchtitan_omni.modules.host import hold_on_host, to_device
 from torchtitan_omni.platform import is_cpu
 from torchtitan_omni.protocols import batch as B
 
@@ -191,9 +194,10 @@ class OmniTrainer(Trainer):
         this micro-batch (their parts are skipped). Non-colocated encoders: the stubs take
         the rows the exchange before it brought (``encoder_schedule``)."""
         model = self.model_parts[0]
-        tokens, meta, labels, media = inputs
+        tokens, meta, labels, media, labelled = inputs
         with self.train_context(), self.maybe_enable_amp:
-            out = model(tokens, meta, labels, absent=absent, **media)
+            out = model(tokens, meta, labels, absent=absent, labelled=labelled,
+                        **hold_on_host(media))
             loss, parts = self.loss_fn(out.losses, global_counts, out.aux_losses, aux_contributions)
         self.moe_counter.add(out.moe_counts)
         del out
@@ -224,13 +228,16 @@ class OmniTrainer(Trainer):
             microbatches.append((batch, labels))
 
         # One all-reduce over every rank (the loss mesh spans data and sequence ranks) gives the
-        # loss normalizers and, per micro-batch, which modalities some rank carries.
+        # loss normalizers and, per micro-batch, which modalities some rank carries. These are
+        # host values, summed on the host: a device all-reduce read back here would wait for
+        # the previous step's queued kernels and leave the GPU idle while the encoders launch.
         loss_mesh = dims.get_optional_mesh("loss")
         names = list(local_counts)
         presence = torch.stack([model.media_present(b) for b, _ in microbatches])
         local_vec = torch.cat([torch.stack([local_counts[n] for n in names]), presence.flatten()])
-        global_vec = all_reduce(local_vec.to(self.device), loss_mesh)
-        global_counts = dict(zip(names, global_vec[: len(names)]))
+        global_vec = all_reduce_on_host(local_vec, loss_mesh)
+        host_counts = dict(zip(names, global_vec[: len(names)]))
+        global_counts = dict(zip(names, to_device(global_vec[: len(names)], self.device)))
         present = global_vec[len(names):].view(presence.shape).tolist()
         contributions = self.gradient_accumulation_steps * (loss_mesh.size() if loss_mesh else 1)
 
@@ -276,15 +283,13 @@ class OmniTrainer(Trainer):
         )
         # Largest per-rank mean of the text loss (TorchTitan's global_max_loss).
         text = "text"
-        local_text = (
-            sums[text].float()
-            * global_counts[text].clamp(min=1)
-            / local_counts[text].clamp(min=1).to(self.device)
+        local_text = sums[text].float() * (
+            int(host_counts[text].clamp(min=1)) / int(local_counts[text].clamp(min=1))
         )
         max_loss = float(all_reduce(local_text.reshape(1), loss_mesh, op="max")[0])
         self.last_losses = losses
         extra = {"n_tokens_seen": self.ntokens_seen, "lr": lr,
-                 **{f"targets/{n}": int(c) for n, c in global_counts.items()},
+                 **{f"targets/{n}": int(c) for n, c in host_counts.items()},
                  **self._skipped_samples(), **self._compile_stats(), **self._moe_stats(),
                  **balance_metrics(getattr(self.model_parts[0], "encoders", {}))}
         if self.rank_sets is not None:

@@ -103,7 +103,7 @@ def test_code_logits_line_up_with_the_training_loss(setup):
         logits, codes = evaluator.code_logits(item.sample)
         assert codes.numel() == gen.model.decoders[B.GEN_IMAGE].processing().num_tokens()
         ce = torch.nn.functional.cross_entropy(logits.float(), codes, reduction="sum")
-        (tokens, meta, labels, media), = evaluator._batches(item.sample)
+        (tokens, meta, labels, media, _), = evaluator._batches(item.sample)
         with torch.no_grad():
             loss = gen.model(tokens, meta, labels, **media).losses[B.GEN_IMAGE]
         assert float(ce) == pytest.approx(float(loss), rel=1e-5)
@@ -117,7 +117,7 @@ def test_text_perplexity_is_the_exp_of_the_mean_text_loss(setup):
     texts = [i for i in items if T.kind_of(i.sample) == "text"]
     nll = count = 0
     for item in texts:
-        for tokens, meta, labels, media in evaluator._batches(item.sample):
+        for tokens, meta, labels, media, _ in evaluator._batches(item.sample):
             with torch.no_grad():
                 nll += float(gen.model(tokens, meta, labels, **media).losses["text"])
             count += int((labels != B.IGNORE_INDEX).sum())

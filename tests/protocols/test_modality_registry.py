@@ -258,7 +258,7 @@ def test_pipeline_batch_and_a_training_step(imu, tmp_path):
     model.init_weights()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = encoder.proj.weight.detach().clone()
-    tokens, meta, labels, media_in = model_inputs(batch, labels, torch.device("cpu"))
+    tokens, meta, labels, media_in, _ = model_inputs(batch, labels, torch.device("cpu"))
     out = model(tokens, meta, labels, **media_in)
     loss = sum(out.losses.values())
     assert torch.isfinite(loss)

@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from torchtitan_omni.modules.host import to_device
 from torchtitan_omni.protocols import batch as B
 from torchtitan_omni.protocols.modules import AttentionMeta
 
 
+class ModelInputs(NamedTuple):
+    """``OmniModel.forward``'s arguments for one micro-batch, on the device: ``tokens``,
+    ``meta``, ``labels``, ``media`` (its keyword arguments) and ``labelled``, the flat indices
+    of the labelled positions (``labels != IGNORE_INDEX``), found on the host so that the
+    text loss picks them without waiting for the device."""
+
+    tokens: torch.Tensor
+    meta: AttentionMeta
+    labels: torch.Tensor
+    media: dict[str, torch.Tensor]
+    labelled: torch.Tensor
+
+
 def model_inputs(
     batch: dict[str, torch.Tensor], labels: torch.Tensor, device: torch.device
-) -> tuple[torch.Tensor, AttentionMeta, torch.Tensor, dict[str, torch.Tensor]]:
-    """``(tokens, meta, labels, media)`` on ``device`` for ``OmniModel.forward`` from a (local,
-    possibly SP-sliced) host batch; the document layout is read on the host before the copy."""
+) -> ModelInputs:
+    """:class:`ModelInputs` on ``device`` from a (local, possibly SP-sliced) host batch; the
+    document layout and the labelled positions are read on the host before the copy."""
     cu = batch[B.CU_SEQLENS]
     max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     whole_rows = B.whole_rows(cu, labels.shape[0], batch.get(B.REAL_TOKENS))
@@ -25,4 +41,6 @@ def model_inputs(
     )
     moved.pop(B.REAL_TOKENS, None)
     tokens = moved.pop(B.INPUT)
-    return tokens, meta, labels.to(device, non_blocking=True), moved
+    labelled = torch.nonzero(labels.flatten() != B.IGNORE_INDEX).flatten()
+    return ModelInputs(tokens, meta, labels.to(device, non_blocking=True), moved,
+                       to_device(labelled, device))

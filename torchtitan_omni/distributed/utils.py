@@ -1,5 +1,6 @@
-"""Small collective helpers used by the trainer: reductions over a mesh, the MoE routing
-counts' reduction, and gradient-norm clipping over parameters that live on different meshes
+"""Small collective helpers used by the trainer: reductions over a mesh (of device tensors, or
+of host tensors without waiting for the device), the MoE routing counts' reduction, and
+gradient-norm clipping over parameters that live on different meshes
 (encoders, LLM and experts may each be sharded differently)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -22,6 +24,33 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh | None, op: str = "sum") -
         return tensor
     group = mesh if mesh.ndim == 1 else flatten_mesh(mesh)
     return all_reduce_traceable(tensor, op, group)
+
+
+#: gloo groups over the ranks of a device group, by that group's name (made on first use)
+_HOST_GROUPS: dict[str, ProcessGroup] = {}
+
+
+def all_reduce_on_host(tensor: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """The sum of a host tensor over ``mesh``'s ranks, as a new host tensor, exchanged through
+    gloo: the host never waits for the device. Why: an all-reduce of device values that the
+    host then reads (``.tolist()``) waits for every kernel queued before it, and at the start
+    of a step that empties the GPU's queue, so the launch-bound encoder phase after it runs
+    with the GPU idle; the per-step agreement (target counts, which modalities some rank
+    carries) is about host values anyway. Identity when ``mesh`` is None."""
+    out = tensor.clone()
+    if mesh is None:
+        return out
+    group = (mesh if mesh.ndim == 1 else flatten_mesh(mesh)).get_group()
+    if "gloo" not in str(dist.get_backend(group)):  # NCCL moves device memory only
+        name = group.group_name
+        if name not in _HOST_GROUPS:
+            # only this group's ranks take part in making its gloo twin (rank sets: the LLM
+            # ranks agree among themselves while the encoder ranks serve)
+            _HOST_GROUPS[name] = dist.new_group(dist.get_process_group_ranks(group),
+                                                backend="gloo", use_local_synchronization=True)
+        group = _HOST_GROUPS[name]
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def all_reduce_world(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -32,6 +32,7 @@ from torchtitan_omni.data.document import DocumentEncoder
 from torchtitan_omni.data.sample import Sample, parse_row
 from torchtitan_omni.data.source import RowSource, find_files
 from torchtitan_omni.eval import metrics as M
+from torchtitan_omni.modules.host import hold_on_host
 from torchtitan_omni.protocols import batch as B
 from torchtitan_omni.protocols.modality import modalities
 
@@ -160,8 +161,9 @@ class TaskEvaluator:
         for item in items:
             if kind_of(item.sample) != "text":
                 continue
-            for tokens, meta, labels, media in self._batches(item.sample):
-                nll += float(model(tokens, meta, labels, **media).losses["text"])
+            for tokens, meta, labels, media, labelled in self._batches(item.sample):
+                out = model(tokens, meta, labels, labelled=labelled, **hold_on_host(media))
+                nll += float(out.losses["text"])
                 count += int((labels != B.IGNORE_INDEX).sum())
         return M.perplexity(nll, count) if count else None
 
@@ -172,7 +174,7 @@ class TaskEvaluator:
         model = self.gen.model
         decoder = model.decoders[B.GEN_IMAGE]
         logits, codes = [], []
-        for tokens, meta, _, media in self._batches(sample):
+        for tokens, meta, _, media, _ in self._batches(sample):
             h, targets = model.embed(tokens, media)
             hidden = model.llm(h, meta)
             index = media[B.target_index_key(B.GEN_IMAGE)]

@@ -45,6 +45,7 @@ from torchtitan_omni.distributed.noncolocated import encoder_client, share_from_
 from torchtitan_omni.distributed.sequence import shard_sequence
 from torchtitan_omni.distributed.utils import all_reduce
 from torchtitan_omni.eval.mix import document_mix, mix_name
+from torchtitan_omni.modules.host import hold_on_host
 from torchtitan_omni.platform import local_device
 from torchtitan_omni.protocols import batch as B
 
@@ -198,12 +199,12 @@ class OmniValidator(BaseValidator):
             mix_counts += batch_mix
             absent = frozenset(m for m, f in zip(modalities, flags) if f == 0)
             groups = [g for g in range(n_mix) if batch_mix[g] > 0]
-            tokens, meta, labels, media = model_inputs(batch, labels, self.device)
+            tokens, meta, labels, media, _ = model_inputs(batch, labels, self.device)
             if client is not None:
                 client.exchange(media, absent)
             with self.validation_context(), self.maybe_enable_amp:
                 out = model(tokens, meta, labels, absent=absent, label_groups=mix.to(self.device),
-                            groups=groups, **media)
+                            groups=groups, **hold_on_host(media))
             forwards += 1
             for name in out.aux_losses:
                 aux_sums.setdefault(name, 0.0)
