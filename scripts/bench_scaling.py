@@ -393,7 +393,9 @@ def moe_2gpu() -> list[Point]:
     figures): experts over both ranks (EP2, FSDP over both), full activation checkpointing, the
     exact dispatcher, 8K: packed text, text in documents as long as the media rows', toy and
     realistic rows; packed text at 16K (whether the step scales with tokens); then text and toy
-    compiled. About 65 GiB of sharded fp32 states and AdamW moments per GPU: H100s are tight."""
+    compiled; last long text and toy with a log line every 10 steps. About 65 GiB of sharded
+    fp32 states and AdamW moments per GPU: H100s are tight (the 8K points peaked at 70-75 GiB
+    on H200s)."""
     cut = _layers(12) + FULL + _ep(2)
 
     def point(seq: int, workload: str, **kw) -> Point:
@@ -401,7 +403,12 @@ def moe_2gpu() -> list[Point]:
                      workload=workload, estimate_s=90, **kw)
 
     eager = [point(8192, w) for w in ("text", "long_text", "toy", "realistic")]
-    return eager + [point(16384, "text", steps=8)] + [compiled(p, 70) for p in eager[::2]]
+    # a log line every 10 steps (as omni_2gpu's *_log10 points)
+    log10 = [dataclasses.replace(point(8192, w), name=f"{point(8192, w).name}_log10",
+                                 args=cut + LOG10, steps=30, warmup=10)
+             for w in ("long_text", "toy")]
+    return (eager + [point(16384, "text", steps=8)] + [compiled(p, 70) for p in eager[::2]]
+            + log10)
 
 
 def moe_dispatch(ngpu: int) -> list[Point]:

@@ -11,9 +11,21 @@
 # those points (in the plan's order), e.g. moe_4gpu=moe_30B-A3B_12L_8k_ep4_text_exact. Tables and
 # JSON go to $OUT (or bench_out/), the training logs into one archive there, the summaries of
 # profiled steps (scripts/summarize_trace.py) into traces.txt; the tables are printed last.
+#
+# BASELINE_TREE=<folder> runs each argument's points again in an older tree right after this
+# tree's (the same call, so the ratio is fair), its tables as baseline_*.md; make it before the
+# call, untracked so that it travels: mkdir baseline && git archive <commit> | tar -x -C baseline
 set -uo pipefail
 out=${OUT:-bench_out}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+baseline=${BASELINE_TREE:-}
+if [ -n "$baseline" ]; then
+  # the older tree reads this one's datasets and tokenizer (both git-ignored, so not archived)
+  mkdir -p data assets
+  [ -e "$baseline/data" ] || ln -s "$PWD/data" "$baseline/data"
+  [ -e "$baseline/assets" ] || ln -s "$PWD/assets" "$baseline/assets"
+fi
 if ! python3 -c "import torchtitan" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     || { echo "gpu_benchmarks: the carried wheels did not install" >&2; exit 1; }
@@ -48,6 +60,12 @@ for arg in "$@"; do
   name=$plan${mode:+_$mode}${only:+_$(echo "$only" | cksum | cut -c1-6)}
   python3 scripts/bench_scaling.py --plan "$plan" "${flags[@]}" --out "$out/$name.md" \
     --logs "$logs/$name" --deadline "$left" > "$logs/$name.runner.log" 2>&1
+  if [ -n "$baseline" ]; then
+    left=$((deadline - (SECONDS - start)))
+    (cd "$baseline" && PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_scaling.py \
+      --plan "$plan" "${flags[@]}" --out "$out/baseline_$name.md" --logs "$logs/baseline_$name" \
+      --deadline "$left" > "$logs/baseline_$name.runner.log" 2>&1)
+  fi
 done
 tar -czf "$out/logs.tar.gz" -C "$logs" . 2>/dev/null
 for trace in outputs/bench_*/profile_traces/*/rank0_trace.json; do
