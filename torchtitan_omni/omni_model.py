@@ -243,12 +243,13 @@ class OmniModel(ModelProtocol):
         out = OmniOutput()
         text_mask = labels != B.IGNORE_INDEX
         # labelled positions only, and no full-vocabulary logits kept (LinearHead)
-        if labelled is not None and (label_groups is None or not groups):
-            out.losses[TEXT_LOSS] = self.llm.output(
-                hidden.flatten(0, 1).index_select(0, labelled),
-                labels.flatten().index_select(0, labelled))
-        elif label_groups is None or not groups:
-            out.losses[TEXT_LOSS] = self.llm.output(hidden[text_mask], labels[text_mask])
+        if label_groups is None or not groups:
+            if labelled is not None:  # found on the host: no wait for the forward here
+                picked = (hidden.flatten(0, 1).index_select(0, labelled),
+                          labels.flatten().index_select(0, labelled))
+            else:
+                picked = (hidden[text_mask], labels[text_mask])
+            out.losses[TEXT_LOSS] = self.llm.output(*picked)
         else:
             for g in groups:
                 mask = text_mask & (label_groups == g)

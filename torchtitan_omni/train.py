@@ -48,7 +48,7 @@ from torchtitan.train import Trainer
 
 from torchtitan_omni.checkpoint import setup_checkpointing, titan_checkpointer_off
 from torchtitan_omni.config.manager import parse_job_config_or_exit
-from torchtitan_omni.components.inputs import model_inputs
+from torchtitan_omni.components.inputs import ModelInputs, model_inputs
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS
 from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
 from torchtitan_omni.components.quantization import add_omni_float8_filters
@@ -185,7 +185,7 @@ class OmniTrainer(Trainer):
 
     # ----------------------------------------------------------------- one step
     def forward_backward_step(
-        self, *, inputs: tuple[torch.Tensor, Any, torch.Tensor, dict[str, torch.Tensor]],
+        self, *, inputs: ModelInputs,
         global_counts: dict[str, torch.Tensor], aux_contributions: int,
         absent: frozenset[str] = frozenset(),
     ) -> dict[str, torch.Tensor]:
