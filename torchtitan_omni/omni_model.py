@@ -241,16 +241,17 @@ class OmniModel(ModelProtocol):
         h, targets = self.embed(tokens, batch, absent)
         hidden = self.llm(h, meta)
         out = OmniOutput()
-        text_mask = labels != B.IGNORE_INDEX
         # labelled positions only, and no full-vocabulary logits kept (LinearHead)
         if label_groups is None or not groups:
             if labelled is not None:  # found on the host: no wait for the forward here
                 picked = (hidden.flatten(0, 1).index_select(0, labelled),
                           labels.flatten().index_select(0, labelled))
             else:
+                text_mask = labels != B.IGNORE_INDEX
                 picked = (hidden[text_mask], labels[text_mask])
             out.losses[TEXT_LOSS] = self.llm.output(*picked)
         else:
+            text_mask = labels != B.IGNORE_INDEX
             for g in groups:
                 mask = text_mask & (label_groups == g)
                 out.text_by_group[g] = self.llm.output(hidden[mask], labels[mask])
