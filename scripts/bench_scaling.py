@@ -393,7 +393,8 @@ def moe_2gpu() -> list[Point]:
     figures): experts over both ranks (EP2, FSDP over both), full activation checkpointing, the
     exact dispatcher, 8K: packed text, text in documents as long as the media rows', toy and
     realistic rows; packed text at 16K (whether the step scales with tokens); then text and toy
-    compiled; last long text and toy with a log line every 10 steps. About 65 GiB of sharded
+    compiled; long text and toy with a log line every 10 steps; last text and realistic rows
+    at 32K with Ulysses SP2 on the same two ranks. About 65 GiB of sharded
     fp32 states and AdamW moments per GPU: H100s are tight (the 8K points peaked at 70-75 GiB
     on H200s)."""
     cut = _layers(12) + FULL + _ep(2)
@@ -407,8 +408,12 @@ def moe_2gpu() -> list[Point]:
     log10 = [dataclasses.replace(point(8192, w), name=f"{point(8192, w).name}_log10",
                                  args=cut + LOG10, steps=30, warmup=10)
              for w in ("long_text", "toy")]
+    # EP2 x Ulysses SP2 x FSDP at 32K: 16K positions per GPU, as the 8K points' 8K
+    long = [dataclasses.replace(point(32768, w), name=f"moe_30B-A3B_12L_32k_sp2_ep2_{w}_exact",
+                                args=cut + _sp(2), steps=6, warmup=2, estimate_s=120)
+            for w in ("text", "realistic")]
     return (eager + [point(16384, "text", steps=8)] + [compiled(p, 70) for p in eager[::2]]
-            + log10)
+            + log10 + long)
 
 
 def moe_dispatch(ngpu: int) -> list[Point]:
