@@ -331,8 +331,8 @@ class OmniTrainer(Trainer):
         if not counts:
             return {}
         names = sorted(counts)
-        local = torch.tensor([counts[n] for n in names], dtype=torch.long, device=self.device)
-        total = all_reduce(local, self.parallel_dims.get_optional_mesh("batch"))
+        local = torch.tensor([counts[n] for n in names], dtype=torch.long)
+        total = all_reduce_on_host(local, self.parallel_dims.get_optional_mesh("batch"))
         return {f"data/skipped_{n}": int(v) for n, v in zip(names, total)}
 
 

@@ -43,7 +43,7 @@ from torchtitan_omni.data.default_dataset import DEFAULT_NAME
 from torchtitan_omni.data.loader import build_omni_dataloader, resolved_loader_options
 from torchtitan_omni.distributed.noncolocated import encoder_client, share_from_llm
 from torchtitan_omni.distributed.sequence import shard_sequence
-from torchtitan_omni.distributed.utils import all_reduce
+from torchtitan_omni.distributed.utils import all_reduce_on_host
 from torchtitan_omni.eval.mix import document_mix, mix_name
 from torchtitan_omni.modules.host import hold_on_host
 from torchtitan_omni.platform import local_device
@@ -190,7 +190,7 @@ class OmniValidator(BaseValidator):
                 torch.tensor([int(has_batch)]), model.media_present(batch),
                 torch.stack([local[n].reshape(()).long().cpu() for n in loss_names]), per_mix,
             ])
-            agreed = all_reduce(vec.to(self.device), self.loss_mesh).cpu()
+            agreed = all_reduce_on_host(vec, self.loss_mesh)
             if int(agreed[0]) == 0:
                 break  # every rank is through the split
             flags = agreed[1:1 + len(modalities)].tolist()
@@ -224,7 +224,7 @@ class OmniValidator(BaseValidator):
         local_vec = torch.cat([sums, mix_sums, torch.tensor([aux_sums[n] for n in aux_names],
                                                             dtype=torch.float64),
                                torch.tensor([float(real_batches)], dtype=torch.float64)])
-        total_vec = all_reduce(local_vec.to(self.device), self.loss_mesh).cpu()
+        total_vec = all_reduce_on_host(local_vec, self.loss_mesh)
         g_sums = total_vec[:len(loss_names)]
         g_mix = total_vec[len(loss_names):len(loss_names) + n_mix]
         g_aux = total_vec[len(loss_names) + n_mix:-1]
