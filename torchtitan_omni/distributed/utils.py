@@ -26,8 +26,9 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh | None, op: str = "sum") -
     return all_reduce_traceable(tensor, op, group)
 
 
-#: gloo groups over the ranks of a device group, by that group's name (made on first use)
-_HOST_GROUPS: dict[str, ProcessGroup] = {}
+#: gloo groups by the ranks they span (made on first use; device groups over the same ranks,
+#: such as the loss and batch meshes', share one)
+_HOST_GROUPS: dict[tuple[int, ...], ProcessGroup] = {}
 
 
 def all_reduce_on_host(tensor: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -42,13 +43,14 @@ def all_reduce_on_host(tensor: torch.Tensor, mesh: DeviceMesh | None) -> torch.T
         return out
     group = (mesh if mesh.ndim == 1 else flatten_mesh(mesh)).get_group()
     if "gloo" not in str(dist.get_backend(group)):  # NCCL moves device memory only
-        name = group.group_name
-        if name not in _HOST_GROUPS:
-            # only this group's ranks take part in making its gloo twin (rank sets: the LLM
-            # ranks agree among themselves while the encoder ranks serve)
-            _HOST_GROUPS[name] = dist.new_group(dist.get_process_group_ranks(group),
-                                                backend="gloo", use_local_synchronization=True)
-        group = _HOST_GROUPS[name]
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks not in _HOST_GROUPS:
+            # only these ranks take part in making the gloo group (rank sets: the LLM ranks
+            # agree among themselves while the encoder ranks serve); torch names such a group
+            # by its ranks, so one per rank set
+            _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo",
+                                                 use_local_synchronization=True)
+        group = _HOST_GROUPS[ranks]
     dist.all_reduce(out, group=group)
     return out
 
