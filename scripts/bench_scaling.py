@@ -399,18 +399,17 @@ def moe_2gpu() -> list[Point]:
     on H200s)."""
     cut = _layers(12) + FULL + _ep(2)
 
-    def point(seq: int, workload: str, **kw) -> Point:
-        return Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep2_{workload}_exact", MOE, 2, seq, cut,
-                     workload=workload, estimate_s=90, **kw)
+    def point(seq: int, workload: str, layout: str = "ep2", extra: tuple[str, ...] = (),
+              suffix: str = "", estimate_s: int = 90, **kw) -> Point:
+        return Point(f"moe_30B-A3B_12L_{seq // 1024}k_{layout}_{workload}_exact{suffix}", MOE,
+                     2, seq, cut + extra, workload=workload, estimate_s=estimate_s, **kw)
 
     eager = [point(8192, w) for w in ("text", "long_text", "toy", "realistic")]
     # a log line every 10 steps (as omni_2gpu's *_log10 points)
-    log10 = [dataclasses.replace(point(8192, w), name=f"{point(8192, w).name}_log10",
-                                 args=cut + LOG10, steps=30, warmup=10)
+    log10 = [point(8192, w, extra=LOG10, suffix="_log10", steps=30, warmup=10)
              for w in ("long_text", "toy")]
     # EP2 x Ulysses SP2 x FSDP at 32K: 16K positions per GPU, as the 8K points' 8K
-    long = [dataclasses.replace(point(32768, w), name=f"moe_30B-A3B_12L_32k_sp2_ep2_{w}_exact",
-                                args=cut + _sp(2), steps=6, warmup=2, estimate_s=120)
+    long = [point(32768, w, layout="sp2_ep2", extra=_sp(2), steps=6, warmup=2, estimate_s=120)
             for w in ("text", "realistic")]
     return (eager + [point(16384, "text", steps=8)] + [compiled(p, 70) for p in eager[::2]]
             + log10 + long)
