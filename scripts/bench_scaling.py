@@ -207,6 +207,7 @@ def _ep(n: int) -> tuple[str, ...]:
 
 #: exact EP dispatch sending each token once per rank (not every routed copy)
 TOKENS = ("--parallelism.expert_dispatch", "tokens")
+NVSHMEM = ("--parallelism.expert_exchange", "nvshmem")
 #: each encoder block its own FSDP unit (the default before 2026-11-26: each encoder one unit)
 BLOCK_UNITS = ("--parallelism.encoder_fsdp_unit", "block")
 NO_ENCODER_AC = ("--omni.encoder_activation_checkpoint", "none")
@@ -393,7 +394,8 @@ def moe_2gpu() -> list[Point]:
     figures): experts over both ranks (EP2, FSDP over both), full activation checkpointing, the
     exact dispatcher, 8K: packed text, text in documents as long as the media rows', toy and
     realistic rows; packed text at 16K (whether the step scales with tokens); then text and toy
-    compiled; long text and toy with a log line every 10 steps; last text and realistic rows
+    compiled; long text and toy with a log line every 10 steps, with the NCCL and the NVSHMEM
+    expert exchange (``parallelism.expert_exchange``); last text and realistic rows
     at 32K with Ulysses SP2 on the same two ranks. About 65 GiB of sharded
     fp32 states and AdamW moments per GPU: H100s are tight (the 8K points peaked at 70-75 GiB
     on H200s)."""
@@ -408,6 +410,9 @@ def moe_2gpu() -> list[Point]:
     # a log line every 10 steps (as omni_2gpu's *_log10 points)
     log10 = [point(8192, w, extra=LOG10, suffix="_log10", steps=30, warmup=10)
              for w in ("long_text", "toy")]
+    # the same with the NVSHMEM exchange (split sizes on the device: no host sync per layer)
+    log10 += [point(8192, w, extra=LOG10 + NVSHMEM, suffix="_log10_nvshmem", steps=30,
+                    warmup=10) for w in ("long_text", "toy")]
     # EP2 x Ulysses SP2 x FSDP at 32K: 16K positions per GPU, as the 8K points' 8K
     long = [point(32768, w, layout="sp2_ep2", extra=_sp(2), steps=6, warmup=2, estimate_s=120)
             for w in ("text", "realistic")]

@@ -62,6 +62,16 @@ def test_functional_collectives_have_the_signatures_used():
         "input", "output_split_sizes", "input_split_sizes", "group_name"]
 
 
+def test_symmetric_memory_has_what_the_expert_exchange_uses():
+    symm_mem = compat.symmetric_memory()
+    assert symm_mem is not None
+    for name in ("empty", "rendezvous", "set_backend", "get_backend", "is_nvshmem_available"):
+        assert callable(getattr(symm_mem, name)), name
+    schema = torch.ops.symm_mem.all_to_all_vdev.default._schema
+    assert [a.name for a in schema.arguments] == [
+        "input", "out", "in_splits", "out_splits_offsets", "group_name"]
+
+
 def test_dynamo_recompile_limit_and_graph_counter():
     before = torch._dynamo.config.cache_size_limit
     try:

@@ -14,7 +14,9 @@ Wrapped here:
   op ``torch.ops._c10d_functional.all_to_all_single`` (collectives ``torch.compile`` can
   trace; a launched one waited where the caller chooses),
   ``torch._dynamo`` (recompile limit, compiled-graph count), ``nn.Module``'s hook and
-  non-persistent-buffer registries;
+  non-persistent-buffer registries; ``torch.distributed._symmetric_memory`` (NVSHMEM buffers)
+  and its op ``torch.ops.symm_mem.all_to_all_vdev`` (the expert exchange with split sizes on
+  the device, ``distributed.expert_device_splits``);
 - TorchTitan: ``ParallelDims``' mesh registry (``_meshes``, ``_global_meshes``,
   ``_world_mesh``) and its ``_mesh_exist`` hook; ``CheckpointManager``'s
   ``_purge_stale_checkpoints`` hook and ``_async_wait``; ``ParallelAwareDataloader._rank_id``;
@@ -67,6 +69,24 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """``torch._grouped_mm``: one GEMM per group of rows of ``a`` (CUDA bf16). Looked up at
     call time, so a test can count calls at torch's entry point."""
     return torch._grouped_mm(a, b, offs=offs)
+
+
+def symmetric_memory():
+    """``torch.distributed._symmetric_memory`` (symmetric buffers: ``empty``, ``rendezvous``,
+    ``set_backend``/``get_backend``, ``is_nvshmem_available``), or None where torch has none.
+    Its all-to-all-v op is :func:`all_to_all_vdev`."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415 (optional)
+    except ImportError:
+        return None
+    return symm_mem
+
+
+def all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name: str) -> None:
+    """NVSHMEM all-to-all-v with the split sizes on the device: ``in_splits[j]`` rows of
+    ``send`` to rank ``j``; what arrives lands in ``recv`` in rank order, its sizes and offsets
+    in ``out_splits_offsets`` ``[2, ranks]`` (every tensor a rendezvoused symmetric buffer)."""
+    torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name)
 
 
 def all_reduce_traceable(tensor: torch.Tensor, op: str, group) -> torch.Tensor:

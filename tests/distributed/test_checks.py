@@ -112,6 +112,14 @@ def test_validate_job_config_layouts():
     _refused(moe, 2, "'tokens' is exact only, but expert_capacity_factor is 1.25")
     moe.parallelism.expert_capacity_factor = 0.0
     validate_job_config(moe, world_size=2)
+    # the NVSHMEM exchange: the exact copies dispatcher under EP, where NVSHMEM runs
+    moe.parallelism.expert_exchange = "nvshmem"
+    _refused(moe, 2, "expert_exchange 'nvshmem' is for the exact dispatcher of routed copies")
+    moe.parallelism.expert_dispatch = "copies"
+    _refused(moe, 2, "expert_exchange 'nvshmem' cannot run here: needs CUDA; use 'nccl'")
+    moe.parallelism.expert_parallel_degree = 1
+    _refused(moe, 1, "expert_exchange 'nvshmem' needs expert_parallel_degree > 1")
+    moe.parallelism.expert_exchange = "nccl"
     # the encoders' small-call exemption: refused negative; a modifier of encoder AC, so
     # accepted (and without effect) where no encoder is checkpointed, as selective_ac_option is
     cfg.omni.encoder_checkpoint_min_tokens = -1

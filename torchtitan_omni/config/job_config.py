@@ -92,6 +92,15 @@ class Parallelism:
     Needs expert parallel and the exact dispatcher (expert_capacity_factor 0). See
     docs/parallelism.md."""
 
+    expert_exchange: Literal["nccl", "nvshmem"] = "nccl"
+    """How the exact expert-parallel dispatcher (expert_capacity_factor 0, expert_dispatch
+    "copies") moves its rows. "nccl" (default): an uneven all-to-all whose split sizes are
+    read on the host, one host sync per MoE layer and pass. "nvshmem": torch's
+    symmetric-memory all-to-all-v with the split sizes on the device (CUDA with NVSHMEM): no
+    host read in the step, so the host runs ahead of the GPU; received rows live in buffers
+    sized for the worst case (EP degree x tokens x top_k rows per rank). Same results, nothing
+    dropped. See docs/parallelism.md."""
+
     expert_dispatch_chunks: int = 1
     """Capacity-padded expert parallel only (expert_capacity_factor > 0): cut each (rank,
     expert) slot block into this many chunks and overlap each chunk's dispatch all-to-all

@@ -32,6 +32,7 @@ from torchtitan_omni.data.default_dataset import DEFAULT_NAME
 from torchtitan_omni.data.loader import build_omni_dataloader, check_data_config
 from torchtitan_omni.data.tokenizer import tokenizer_folder
 from torchtitan_omni.distributed.checks import fsdp_unit_problem, parts_problem, plan_problem
+from torchtitan_omni.distributed.expert_device_splits import nvshmem_usable
 from torchtitan_omni.distributed.rank_sets import encoder_ranks_of
 from torchtitan_omni.errors import ConfigError, OmniInputError
 from torchtitan_omni.lora import apply_lora_config
@@ -130,6 +131,8 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
                 f"parallelism.expert_dispatch 'tokens' is exact only, but "
                 f"expert_capacity_factor is {factor}: set it to 0, or expert_dispatch to "
                 "'copies'")
+    if cfg.parallelism.expert_exchange == "nvshmem":
+        _check_nvshmem_exchange(cfg, factor)
     if cfg.parallelism.expert_ac_keep_exchanges:
         if cfg.parallelism.expert_parallel_degree < 2:
             raise ConfigError(
@@ -314,3 +317,23 @@ def _validate_lora(cfg: JobConfig, spec, args) -> None:
         apply_lora_config(model, lora)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_nvshmem_exchange(cfg, factor: float) -> None:
+    """``parallelism.expert_exchange = "nvshmem"``: the exact copies dispatcher under expert
+    parallel, on a machine where torch's NVSHMEM all-to-all-v runs."""
+    p = cfg.parallelism
+    if p.expert_parallel_degree < 2:
+        raise ConfigError(
+            "parallelism.expert_exchange 'nvshmem' needs expert_parallel_degree > 1 (it is how "
+            "the expert-parallel all-to-all moves rows; without EP there is none)")
+    if factor > 0 or p.expert_dispatch != "copies":
+        raise ConfigError(
+            "parallelism.expert_exchange 'nvshmem' is for the exact dispatcher of routed "
+            f"copies: expert_capacity_factor must be 0 (is {factor}) and expert_dispatch "
+            f"'copies' (is {p.expert_dispatch!r})")
+    usable, why = nvshmem_usable()
+    if not usable:
+        raise ConfigError(f"parallelism.expert_exchange 'nvshmem' cannot run here: {why}; "
+                          "use 'nccl'")
+

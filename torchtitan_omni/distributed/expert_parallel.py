@@ -16,7 +16,10 @@ int64 routed copies per expert. Without EP the dispatcher is the identity
   reads the split sizes on the host (one sync per layer and pass), sends every token copy to
   its expert's rank (uneven all-to-all), regroups what arrived by local expert, and
   ``combine`` undoes both steps. Nothing is dropped; ``torch.compile`` breaks the block's
-  graph at the host read. With ``parallelism.expert_dispatch = "tokens"``,
+  graph at the host read. With ``parallelism.expert_exchange = "nvshmem"``,
+  :class:`~torchtitan_omni.distributed.expert_device_splits.DeviceSplitExpertParallelDispatcher`
+  does the same with the split sizes on the device (no host read). With
+  ``parallelism.expert_dispatch = "tokens"``,
   :class:`TokenExpertParallelDispatcher` (``torchtitan_omni.distributed.expert_tokens``) sends
   each token once to every rank holding one of its experts and gets back one weighted sum per
   token and rank (fewer rows each way when a token's experts share ranks).
@@ -48,6 +51,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torchtitan_omni.distributed.comm import (
     ProcessGroup, all_to_all_blocks, all_to_all_v, exchange_counts,
 )
+from torchtitan_omni.distributed.expert_device_splits import DeviceSplitExpertParallelDispatcher
 from torchtitan_omni.distributed.expert_overlap import ChunkedExchange
 from torchtitan_omni.distributed.expert_tokens import TokenExchange, check_header_fits
 from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
@@ -229,7 +233,7 @@ def find_moe_layer(model: nn.Module, experts_name: str) -> nn.Module:
 
 def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
                     capacity_factor: float, tokens: int | None, chunks: int = 1,
-                    unit: str = "copies"):
+                    unit: str = "copies", exchange: str = "nccl"):
     """The dispatcher for a layer: exact or capacity-padded (``capacity_factor`` > 0), over
     ``group`` or local (None); None when the default local exact one fits. ``chunks`` > 1:
     the capacity-padded expert-parallel exchange in that many overlapped chunks
@@ -237,7 +241,10 @@ def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
     without EP, where there is nothing to exchange; here they leave the local dispatcher
     as it is). ``unit`` (``parallelism.expert_dispatch``): "tokens" sends each token once per
     rank (``torchtitan_omni.distributed.expert_tokens``; exact dispatch only; without EP it
-    leaves the local dispatcher as it is, like ``chunks``)."""
+    leaves the local dispatcher as it is, like ``chunks``). ``exchange``
+    (``parallelism.expert_exchange``): "nvshmem" moves the exact dispatcher's rows with split
+    sizes on the device (``torchtitan_omni.distributed.expert_device_splits``; needs
+    ``tokens``)."""
     if chunks < 1:
         raise ValueError(f"expert dispatch chunks must be >= 1, got {chunks}")
     if chunks > 1 and not capacity_factor > 0:
@@ -258,16 +265,20 @@ def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
         return None
     if unit == "tokens":
         return TokenExpertParallelDispatcher(group, num_experts)
+    if exchange == "nvshmem":
+        if tokens is None:
+            raise ValueError("the device-split expert exchange needs the tokens per micro-batch")
+        return DeviceSplitExpertParallelDispatcher(group, num_experts, tokens * top_k)
     return ExpertParallelDispatcher(group, num_experts)
 
 
 def apply_expert_parallel(model: nn.Module, experts_names: list[str], ep_mesh: DeviceMesh | None,
                           capacity_factor: float = 0.0, tokens: int | None = None,
-                          chunks: int = 1, unit: str = "copies") -> None:
+                          chunks: int = 1, unit: str = "copies", exchange: str = "nccl") -> None:
     """Shard each experts module over ``ep`` (when given) and install the dispatcher chosen by
     :func:`make_dispatcher`; ``tokens``: tokens per micro-batch of a rank (capacity);
     ``chunks``: ``parallelism.expert_dispatch_chunks``; ``unit``:
-    ``parallelism.expert_dispatch``."""
+    ``parallelism.expert_dispatch``; ``exchange``: ``parallelism.expert_exchange``."""
     group = ep_mesh.get_group() if ep_mesh is not None else None
     for name in experts_names:
         experts = model.get_submodule(name)
@@ -277,6 +288,6 @@ def apply_expert_parallel(model: nn.Module, experts_names: list[str], ep_mesh: D
             num_experts = next(experts.parameters(recurse=False)).shape[0]
         layer = find_moe_layer(model, name)
         dispatcher = make_dispatcher(num_experts, getattr(layer, "top_k", 1), group,
-                                     capacity_factor, tokens, chunks, unit)
+                                     capacity_factor, tokens, chunks, unit, exchange)
         if dispatcher is not None:
             layer.dispatcher = dispatcher

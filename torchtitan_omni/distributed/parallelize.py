@@ -325,14 +325,18 @@ def apply_expert_dispatch(model: nn.Module, plan: OmniParallelPlan, dims: OmniPa
                 else "parallelism.expert_capacity_factor > 0")
         raise ValueError(f"{what} but the model's plan lists no experts modules (or none matches)")
     mesh = dims.get_mesh("ep") if dims.ep > 1 else None
-    tokens = capacity_tokens(job_config, dims.sp) if factor > 0 else None
+    exchange = job_config.parallelism.expert_exchange
+    sized = factor > 0 or exchange == "nvshmem"
+    tokens = capacity_tokens(job_config, dims.sp) if sized else None
     chunks = job_config.parallelism.expert_dispatch_chunks
     unit = job_config.parallelism.expert_dispatch
-    apply_expert_parallel(model, names, mesh, factor, tokens, chunks, unit)
+    apply_expert_parallel(model, names, mesh, factor, tokens, chunks, unit, exchange)
     dispatch = (f"capacity factor {factor} ({tokens} tokens per rank and micro-batch)"
                 if factor > 0 else "exact")
     if unit == "tokens" and dims.ep > 1:
         dispatch += ", each token sent once per rank"
+    if exchange == "nvshmem" and dims.ep > 1:
+        dispatch += f", NVSHMEM exchange with device split sizes (buffers for {tokens} tokens)"
     if chunks > 1 and dims.ep > 1:
         dispatch += f", exchange in {chunks} overlapped chunks"
     logger.info(f"MoE dispatch on {len(names)} experts modules: EP{dims.ep}, {dispatch}")

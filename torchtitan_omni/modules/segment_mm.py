@@ -4,6 +4,9 @@
 ``segment_mm(x, w, counts)``: ``x`` ``[M, K]`` holds ``counts[g]`` consecutive rows for group
 ``g``; row block ``g`` is multiplied by ``w[g]`` ``[K, N]``; the result is ``[M, N]``. It is
 what ``torch._grouped_mm(x, w, offs=cumsum(counts))`` computes, done as one matmul per group.
+Rows past the last group (``M > sum(counts)``: the device-split expert exchange's unused
+buffer rows) belong to no group: their output is zero and they add nothing to ``w``'s
+gradient.
 
 The per-group split needs the counts on the host. Registered as a custom operator (with a
 fake implementation and its own backward), it is one node to ``torch.compile``: the block
@@ -20,9 +23,18 @@ from torch.utils.flop_counter import register_flop_formula
 @torch.library.custom_op("torchtitan_omni::segment_mm", mutates_args=())
 def segment_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``[M, K]`` rows in groups of ``counts`` times ``w`` ``[G, K, N]`` -> ``[M, N]``."""
-    parts = torch.split(x, counts.tolist(), dim=0)
-    out = [part @ w[g] for g, part in enumerate(parts)]
-    return torch.cat(out, dim=0) if out else x.new_zeros((x.shape[0], w.shape[-1]))
+    sizes = _with_tail(counts.tolist(), x.shape[0])
+    parts = torch.split(x, sizes, dim=0)
+    out = [part @ w[g] for g, part in enumerate(parts[:-1])]
+    return torch.cat([*out, x.new_zeros((sizes[-1], w.shape[-1]))], dim=0)
+
+
+def _with_tail(sizes: list[int], rows: int) -> list[int]:
+    """The groups' sizes and, last, the rows past them."""
+    tail = rows - sum(sizes)
+    if tail < 0:
+        raise ValueError(f"segment_mm: groups of {sizes} rows ({sum(sizes)}) exceed {rows} rows")
+    return [*sizes, tail]
 
 
 @segment_mm.register_fake
@@ -34,8 +46,8 @@ def _segment_mm_fake(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> 
 def segment_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor,
                            counts: torch.Tensor) -> torch.Tensor:
     """Per group ``x_g^T @ grad_g``: the gradient of ``w`` ``[G, K, N]`` in :func:`segment_mm`."""
-    sizes = counts.tolist()
-    blocks = zip(torch.split(x, sizes, dim=0), torch.split(grad, sizes, dim=0))
+    sizes = _with_tail(counts.tolist(), x.shape[0])
+    blocks = zip(torch.split(x, sizes, dim=0)[:-1], torch.split(grad, sizes, dim=0)[:-1])
     return torch.stack([xg.transpose(0, 1) @ gg for xg, gg in blocks])
 
 
