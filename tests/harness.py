@@ -51,6 +51,15 @@ def _worker(rank, world_size, port, fn, args, out_dir):
         dist.destroy_process_group()
 
 
+def recorded(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, or ``{"error": traceback}`` if it raises: one case of a
+    multi-case distributed run fails alone (ranks fail alike), and its test shows why."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001  (recorded, reported by the test)
+        return {"error": traceback.format_exc()}
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
     with tempfile.TemporaryDirectory() as out_dir:

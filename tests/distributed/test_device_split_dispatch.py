@@ -15,12 +15,12 @@ outputs, input, router and expert gradients within 1e-5, every one finite. On GP
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 
-from tests.distributed.test_moe_dispatch import E, K, RTOL, SIZES, _error, _inputs, _layer
-from tests.harness import run_distributed
+from tests.distributed.test_moe_dispatch import (
+    E, K, RTOL, SIZES, _error, _inputs, _layer, against_one_process,
+)
+from tests.harness import recorded, run_distributed
 
 ROWS_PER_RANK = max(SIZES) * K
 
@@ -29,21 +29,26 @@ class GlooRowExchange:
     """``RowExchange`` over a gloo group: split sizes read on the host (a test stand-in for
     NVSHMEM's device-split all-to-all-v), unspecified rows filled with NaN."""
 
-    def __init__(self, group) -> None:
-        self.group = group
+    def __init__(self, group, capacity: int) -> None:
+        self.group, self.capacity = group, capacity
 
-    def exchange(self, x, in_splits, out_rows):
+    def exchange(self, x, in_splits, out_rows, send_order=None, recv_order=None):
         import torch
         import torch.distributed as dist
 
+        from torchtitan_omni.distributed.expert_device_splits import read_rows, write_rows
+
+        send_buf = x.new_full((self.capacity, x.shape[1]), float("nan"))
+        recv_buf = x.new_full((self.capacity, x.shape[1]), float("nan"))
+        write_rows(send_buf, x, send_order)
         out_splits = torch.empty_like(in_splits)
         dist.all_to_all_single(out_splits, in_splits.contiguous(), group=self.group)
         send, recv = in_splits.tolist(), out_splits.tolist()
         got = x.new_empty(sum(recv), x.shape[1])
-        dist.all_to_all_single(got, x[: sum(send)].contiguous(), recv, send, group=self.group)
-        out = x.new_full((out_rows, x.shape[1]), float("nan"))
-        out[: got.shape[0]] = got
-        return out, out_splits
+        dist.all_to_all_single(got, send_buf[: sum(send)].contiguous(), recv, send,
+                               group=self.group)
+        recv_buf[: got.shape[0]] = got
+        return read_rows(recv_buf, out_rows, recv_order), out_splits
 
 
 def test_expert_major_maps_match_the_host_order():
@@ -71,7 +76,6 @@ def _case(rank: int, world: int, ep: int) -> dict:
     import copy
 
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_omni.distributed.expert_device_splits import (
@@ -85,30 +89,12 @@ def _case(rank: int, world: int, ep: int) -> dict:
     moe = copy.deepcopy(ref)
     shard_experts(moe.experts, mesh)
     moe.dispatcher = DeviceSplitExpertParallelDispatcher(
-        group, E, ROWS_PER_RANK, exchange=GlooRowExchange(group))
+        group, E, ROWS_PER_RANK, exchange=GlooRowExchange(group, ep * ROWS_PER_RANK))
     x, grad = _inputs(rank)
     out, stats = moe(x)
     (out * grad).sum().backward()
 
-    members = dist.get_process_group_ranks(group)
-    total, mine = 0.0, None
-    for source in members:
-        xs, gs = _inputs(source)
-        o, st = ref(xs)
-        total = total + (o * gs).sum()
-        if source == rank:
-            mine = (o, st, xs)
-    total.backward()
-    ref_out, ref_stats, ref_x = mine
-    router = moe.gate.weight.grad.clone()
-    dist.all_reduce(router, group=group)
-    local = E // ep
-    rows = slice(members.index(rank) * local, (members.index(rank) + 1) * local)
-    grads = {"out": (out, ref_out), "x": (x.grad, ref_x.grad),
-             "router": (router, ref.gate.weight.grad)}
-    for name in ("w1", "w2", "w3"):
-        grads[name] = (getattr(moe.experts, name).grad.to_local(),
-                       getattr(ref.experts, name).grad[rows])
+    grads, ref_stats, _ = against_one_process(ref, moe, out, x, group, rank, ep)
     return {"errors": {k: _error(a, b) for k, (a, b) in grads.items()},
             "finite": {k: bool(torch.isfinite(a).all()) for k, (a, _) in grads.items()},
             "routed": stats.routed.tolist(), "ref_routed": ref_stats.routed.tolist(),
@@ -116,13 +102,7 @@ def _case(rank: int, world: int, ep: int) -> dict:
 
 
 def _all_cases(rank: int, world: int) -> dict:
-    results = {}
-    for ep in (4, 2):
-        try:
-            results[ep] = _case(rank, world, ep)
-        except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
-            results[ep] = {"error": traceback.format_exc()}
-    return results
+    return {ep: recorded(_case, rank, world, ep) for ep in (4, 2)}
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,10 @@ around its exchanges with FSDP-sharded experts), its forward exchange carrying o
 from __future__ import annotations
 
 import functools
-import traceback
 
 import pytest
 
-from tests.harness import run_distributed
+from tests.harness import recorded, run_distributed
 
 E, K, D, H = 8, 2, 16, 12
 #: tokens per rank the capacity is sized for: C = ceil(1.0 x 8 x 2 / 8) = 2 slots
@@ -96,6 +95,35 @@ def _ep_layer(ref, mesh, factor: float, chunks: int, compiled: bool, rank: int,
     return moe, out, stats, x
 
 
+def against_one_process(ref, moe, out, x, group, rank: int, ep: int, idle: bool = False):
+    """Run ``ref`` (the layer in one process) on every rank of ``moe``'s EP group in turn and
+    pair what ``moe`` computed on ``rank`` with it: ``({name: (ep value, reference)}`` for the
+    output and the input, router and expert gradients, the reference's routing statistics
+    and input)."""
+    import torch.distributed as dist
+
+    members = dist.get_process_group_ranks(group)
+    total, mine = 0.0, None
+    for source in members:
+        xs, gs = _inputs(source, idle)
+        o, st = ref(xs)
+        total = total + (o * gs).sum()
+        if source == rank:
+            mine = (o, st, xs)
+    total.backward()
+    ref_out, ref_stats, ref_x = mine
+    router = moe.gate.weight.grad.clone()
+    dist.all_reduce(router, group=group)  # the router is replicated: its gradients add up
+    local = E // ep
+    rows = slice(members.index(rank) * local, (members.index(rank) + 1) * local)
+    pairs = {"out": (out, ref_out), "x": (x.grad, ref_x.grad),
+             "router": (router, ref.gate.weight.grad)}
+    for name in ("w1", "w2", "w3"):
+        pairs[name] = (getattr(moe.experts, name).grad.to_local(),
+                       getattr(ref.experts, name).grad[rows])
+    return pairs, ref_stats, ref_x
+
+
 def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
           chunks: int = 1, idle: bool = False, unit: str = "copies") -> dict:
     from unittest import mock
@@ -119,28 +147,11 @@ def _case(rank: int, world: int, ep: int, factor: float, compiled: bool = False,
     with mock.patch.object(expert_tokens, "all_to_all_v", counting):
         moe, out, stats, x = _ep_layer(ref, mesh, factor, chunks, compiled, rank, idle, unit)
 
-    # the same layer in one process, on every rank of this EP group in turn
     if factor:
         ref.dispatcher = CapacityDispatcher(E, K, factor, TOKENS)
-    members = dist.get_process_group_ranks(group)
-    total, mine = 0.0, None
-    for source in members:
-        xs, gs = _inputs(source, idle)
-        o, st = ref(xs)
-        total = total + (o * gs).sum()
-        if source == rank:
-            mine = (o, st, xs)
-    total.backward()
-    ref_out, ref_stats, ref_x = mine
-    router = moe.gate.weight.grad.clone()
-    dist.all_reduce(router, group=group)  # the router is replicated: its gradients add up
-    local = E // ep
-    rows = slice(members.index(rank) * local, (members.index(rank) + 1) * local)
-    errors = {"out": _error(out, ref_out), "x": _error(x.grad, ref_x.grad),
-              "router": _error(router, ref.gate.weight.grad)}
-    for name in ("w1", "w2", "w3"):
-        errors[name] = _error(getattr(moe.experts, name).grad.to_local(),
-                              getattr(ref.experts, name).grad[rows])
+    pairs, ref_stats, ref_x = against_one_process(ref, moe, out, x, group, rank, ep, idle)
+    errors = {name: _error(a, b) for name, (a, b) in pairs.items()}
+    router = pairs["router"][0]
     result = {"dispatcher": type(moe.dispatcher).__name__,
               "routed": stats.routed.tolist(), "ref_routed": ref_stats.routed.tolist(),
               "dropped": stats.dropped.tolist(), "ref_dropped": ref_stats.dropped.tolist(),
@@ -413,27 +424,16 @@ AC_CASES = {
 def _all_cases(rank, world):
     results = {"counts": _counts_case(rank, world)}
     for name, (unit, factor, chunks, fsdp, compiled, _) in AC_CASES.items():
-        try:
-            results[name] = _ac_case(rank, world, unit, factor, chunks, fsdp, compiled)
-        except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
-            results[name] = {"error": traceback.format_exc()}
+        results[name] = recorded(_ac_case, rank, world, unit, factor, chunks, fsdp, compiled)
     for name, case in (("order", functools.partial(_backward_order_case, fsdp=False)),
                        ("order_fsdp", functools.partial(_backward_order_case, fsdp=True)),
                        ("compiled_order", _compiled_backward_case)):
-        try:
-            results[name] = case(rank, world)
-        except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
-            results[name] = {"error": traceback.format_exc()}
+        results[name] = recorded(case, rank, world)
     for name, (ep, factor, compiled, chunks, idle) in CASES.items():
-        try:
-            results[name] = _case(rank, world, ep, factor, compiled, chunks, idle)
-        except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
-            results[name] = {"error": traceback.format_exc()}
+        results[name] = recorded(_case, rank, world, ep, factor, compiled, chunks, idle)
     for name, (ep, factor, compiled, chunks, idle) in TOKEN_CASES.items():
-        try:
-            results[name] = _case(rank, world, ep, factor, compiled, chunks, idle, "tokens")
-        except Exception:  # noqa: BLE001  (recorded; ranks fail alike)
-            results[name] = {"error": traceback.format_exc()}
+        results[name] = recorded(_case, rank, world, ep, factor, compiled, chunks, idle,
+                                 "tokens")
     return results
 
 

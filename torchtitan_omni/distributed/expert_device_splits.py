@@ -16,15 +16,16 @@ buffer sized for the worst case (every copy of every rank of the group to one ra
 ``ranks x rows_per_rank``); rows past the received ones are unspecified, stay in place through
 the regrouping, belong to no expert group (grouped GEMM's offsets end at the received rows) and
 are never sent back. The collective reads and writes symmetric buffers, allocated once per
-(group, shape) and shared by every layer; each call copies its input in and its result out, and
-calls alternate between two sets of buffers, so a rank never overwrites a buffer a peer may
-still be reading from the previous call (each call starts with a barrier of the group, so two
-sets suffice).
+(group, shape) and shared by every layer; each call writes its input into the send buffer and
+reads its result out of the receive buffer, the regrouping's gathers doing those copies (one
+pass each way), and calls alternate between two sets of buffers, so a rank never overwrites a
+buffer a peer may still be reading from the previous call (each call starts with a barrier of
+the group, so two sets suffice).
 
-The row exchange is an object with one method, ``exchange(x, in_splits, out_rows) -> (out,
-out_splits)``: :class:`NvshmemRowExchange` on CUDA; tests pass one with the same contract
-over gloo. :func:`nvshmem_usable` says why NVSHMEM cannot run where it cannot; the start-up
-check refuses the option there.
+The row exchange is an object with one method (:class:`RowExchange`):
+:class:`NvshmemRowExchange` on CUDA; tests pass one with the same contract over gloo.
+:func:`nvshmem_usable` says why NVSHMEM cannot run where it cannot; the start-up check refuses
+the option there.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from torch.autograd import Function
 
 from torchtitan_omni.compat import all_to_all_vdev, symmetric_memory
 from torchtitan_omni.distributed.comm import ProcessGroup, exchange_counts
-from torchtitan_omni.modules.row_maps import permute_rows
 
 
 def nvshmem_usable() -> tuple[bool, str]:
@@ -85,13 +85,30 @@ def expert_major_maps(recv: torch.Tensor, capacity: int) -> tuple[torch.Tensor, 
 
 # ----------------------------------------------------------------- the row exchange
 class RowExchange(Protocol):
-    """All-to-all-v of rows with device split sizes: ``x`` rows ``[0, sum(in_splits))`` go to
-    the ranks in order (``in_splits[j]`` to rank ``j``); returns ``[out_rows, ...]`` holding
-    what arrived in rank order from row 0 (later rows unspecified) and the rows that came from
-    each rank."""
+    """All-to-all-v of rows with device split sizes. The rows sent are ``x``, or ``x`` gathered
+    by ``send_order`` (written straight into the send buffer); rows ``[0, sum(in_splits))`` of
+    those go to the ranks in order (``in_splits[j]`` to rank ``j``). What arrives lands in
+    rank order from row 0 of a receive buffer (later rows unspecified); returned are its first
+    ``out_rows`` rows, or the rows ``recv_order`` gathers from it (straight from the buffer),
+    and the rows that came from each rank."""
 
-    def exchange(self, x: torch.Tensor, in_splits: torch.Tensor, out_rows: int
+    def exchange(self, x: torch.Tensor, in_splits: torch.Tensor, out_rows: int,
+                 send_order: torch.Tensor | None = None,
+                 recv_order: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def write_rows(buffer: torch.Tensor, x: torch.Tensor, order: torch.Tensor | None) -> None:
+    """``buffer[:n] = x`` or ``x[order]``: one pass, no intermediate copy."""
+    if order is None:
+        buffer[: x.shape[0]].copy_(x)
+    else:
+        torch.index_select(x, 0, order, out=buffer[: order.numel()])
+
+
+def read_rows(buffer: torch.Tensor, rows: int, order: torch.Tensor | None) -> torch.Tensor:
+    """A fresh tensor of ``buffer[:rows]`` or ``buffer[order]`` (the buffer is reused)."""
+    return buffer[:rows].clone() if order is None else buffer.index_select(0, order)
 
 
 class _SymmetricBuffers:
@@ -136,17 +153,19 @@ class NvshmemRowExchange:
         for buffers in self._sets:
             buffers.recv.fill_(float("nan"))
 
-    def exchange(self, x: torch.Tensor, in_splits: torch.Tensor, out_rows: int
+    def exchange(self, x: torch.Tensor, in_splits: torch.Tensor, out_rows: int,
+                 send_order: torch.Tensor | None = None,
+                 recv_order: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         if x.shape[0] > self.capacity or out_rows > self.capacity:
             raise ValueError(f"expert exchange: {x.shape[0]} rows in, {out_rows} out, buffers "
                              f"hold {self.capacity}")
         b = self._sets[self._turn]
         self._turn ^= 1
-        b.send[: x.shape[0]].copy_(x)
+        write_rows(b.send, x, send_order)
         b.in_splits.copy_(in_splits)
         all_to_all_vdev(b.send, b.recv, b.in_splits, b.out_splits_offsets, self.group_name)
-        return b.recv[:out_rows].clone(), b.out_splits_offsets[0].clone()
+        return read_rows(b.recv, out_rows, recv_order), b.out_splits_offsets[0].clone()
 
 
 _EXCHANGES: dict[tuple, NvshmemRowExchange] = {}
@@ -163,21 +182,26 @@ def shared_nvshmem_exchange(group: ProcessGroup, capacity: int, dim: int, dtype:
 
 
 class _ExchangeRows(Function):
-    """Differentiable :meth:`RowExchange.exchange`: the gradient goes back the same way, with
-    the split sizes that arrived as the sizes sent."""
+    """Differentiable :meth:`RowExchange.exchange` with the row orders as ``(order, inverse)``
+    pairs: the gradient goes back the same way, the split sizes that arrived as the sizes sent,
+    each order's inverse gathering on the other side."""
 
     @staticmethod
-    def forward(ctx, x, in_splits, out_rows: int, exchange: RowExchange):
-        out, out_splits = exchange.exchange(x, in_splits, out_rows)
-        ctx.exchange, ctx.rows = exchange, x.shape[0]
+    def forward(ctx, x, in_splits, out_rows: int, exchange: RowExchange,
+                send: tuple | None, recv: tuple | None):
+        out, out_splits = exchange.exchange(x, in_splits, out_rows, send and send[0],
+                                            recv and recv[0])
+        ctx.exchange, ctx.rows, ctx.send, ctx.recv = exchange, x.shape[0], send, recv
         ctx.save_for_backward(out_splits)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         (out_splits,) = ctx.saved_tensors
-        grad_x, _ = ctx.exchange.exchange(grad.contiguous(), out_splits, ctx.rows)
-        return grad_x, None, None, None
+        send, recv = ctx.send, ctx.recv
+        grad_x, _ = ctx.exchange.exchange(grad.contiguous(), out_splits, ctx.rows,
+                                          recv and recv[1], send and send[1])
+        return grad_x, None, None, None, None, None
 
 
 # ----------------------------------------------------------------- the dispatcher
@@ -224,16 +248,18 @@ class DeviceSplitExpertParallelDispatcher:
             send = counts.to(torch.int64).view(self.degree, local)
             recv = exchange_counts(send, self.group)
             perm, inverse = expert_major_maps(recv, self.capacity)
-        received = _ExchangeRows.apply(x, send.sum(1), self.capacity, self.row_exchange(x))
-        grouped = permute_rows(received, perm, inverse)
+        # received rows gathered into expert-major order straight from the receive buffer
+        grouped = _ExchangeRows.apply(x, send.sum(1), self.capacity, self.row_exchange(x),
+                                      None, (perm, inverse))
         return grouped, recv.sum(0), (perm, inverse, recv.sum(1), x.shape[0])
 
     @torch.compiler.disable
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
         """Return expert outputs to the ranks (and rows) their copies came from."""
         perm, inverse, back_splits, rows = state
-        back = permute_rows(y, inverse, perm)
-        return _ExchangeRows.apply(back, back_splits, rows, self.row_exchange(y))
+        # expert-major rows written back in rank-major order straight into the send buffer
+        return _ExchangeRows.apply(y, back_splits, rows, self.row_exchange(y),
+                                   (inverse, perm), None)
 
     def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:
         """Nothing is dropped."""
