@@ -9,7 +9,10 @@ the received layout to the experts' one (against the NCCL dispatcher's host-buil
 empty blocks), and the layer on 4 gloo ranks, EP4 and EP2 (2 x 2 mesh), against the same
 layer in one process (float32, the cases of ``test_moe_dispatch``: a rank whose tokens all
 choose one expert, a rank sending nothing to half the experts, a rank without tokens):
-outputs, input, router and expert gradients within 1e-5, every one finite. On GPU,
+outputs, input, router and expert gradients within 1e-5, every one finite. And that its
+dispatch, combine and their backward read nothing on the host (no scalar read, ``tolist``,
+``nonzero``, boolean-mask index or ``repeat_interleave`` without its output size), where the
+NCCL dispatcher's dispatch does (the detector's own check). On GPU,
 ``scripts/bench_expert_exchange.py`` checks NVSHMEM's exchange against the NCCL dispatcher.
 """
 
@@ -70,6 +73,88 @@ def test_expert_major_maps_match_the_host_order():
         assert torch.equal(perm[inverse], torch.arange(capacity))
     perm, inverse = expert_major_maps(torch.zeros(2, 3, dtype=torch.long), 4)
     assert torch.equal(perm, torch.arange(4)) and torch.equal(inverse, torch.arange(4))
+
+
+class LoopbackRowExchange:
+    """``RowExchange`` of a one-rank group with no host read of its own: what is sent
+    arrives."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    def exchange(self, x, in_splits, out_rows, send_order=None, recv_order=None):
+        from torchtitan_omni.distributed.expert_device_splits import read_rows, write_rows
+
+        buffer = x.new_full((self.capacity, x.shape[1]), float("nan"))
+        write_rows(buffer, x, send_order)
+        return read_rows(buffer, out_rows, recv_order), in_splits.clone()
+
+
+#: ops that read device values on the host, or whose output size depends on them
+HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
+              "aten._unique")
+
+
+def _host_reads(rank: int, world: int) -> dict:
+    """Host reads in a dispatch, combine and their backward on a one-rank group, for the
+    device-split dispatcher and (the detector's check) the NCCL one."""
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtitan_omni.distributed.expert_device_splits import (
+        DeviceSplitExpertParallelDispatcher,
+    )
+    from torchtitan_omni.distributed.expert_parallel import ExpertParallelDispatcher
+
+    class Reads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = str(func)
+            bool_index = name.startswith("aten.index.Tensor") and any(
+                i is not None and i.dtype == torch.bool for i in args[1])
+            unsized = name.startswith("aten.repeat_interleave") and "output_size" not in kwargs
+            if name.startswith(HOST_READS) or bool_index or unsized:
+                self.seen.append(name)
+            return func(*args, **kwargs)
+
+    group = dist.group.WORLD
+    rows = 24
+    counts = torch.tensor([5, 0, 7, 3, 0, 0, 4, 5])
+    x = torch.randn(int(counts.sum()), 16, requires_grad=True)
+    seen = {}
+    for name, dispatcher in (
+        ("device", DeviceSplitExpertParallelDispatcher(group, 8, rows, LoopbackRowExchange(rows))),
+        ("nccl", ExpertParallelDispatcher(group, 8)),
+    ):
+        mode, listed = Reads(), []
+        real_tolist = torch.Tensor.tolist
+
+        def tolist(t, _listed=listed, _real=real_tolist):
+            _listed.append("tolist")
+            return _real(t)
+
+        with mode, mock.patch.object(torch.Tensor, "tolist", tolist):
+            grouped, local, state = dispatcher.dispatch(x, counts)
+            out = dispatcher.combine(grouped * 2, state)
+            out.sum().backward()
+        seen[name] = {"reads": mode.seen + listed, "round_trip": bool(torch.equal(out, 2 * x)),
+                      "grad": bool(torch.equal(x.grad, torch.full_like(x, 2.0)))}
+        x.grad = None
+    return seen
+
+
+def test_device_split_dispatch_reads_nothing_on_the_host():
+    (seen,) = run_distributed(_host_reads, 1)
+    assert seen["device"] == {"reads": [], "round_trip": True, "grad": True}, seen["device"]
+    assert seen["nccl"]["reads"], "the detector must see the NCCL dispatcher's split-size read"
+    assert seen["nccl"]["round_trip"] and seen["nccl"]["grad"]
 
 
 def _case(rank: int, world: int, ep: int) -> dict:
