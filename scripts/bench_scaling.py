@@ -208,6 +208,8 @@ def _ep(n: int) -> tuple[str, ...]:
 #: exact EP dispatch sending each token once per rank (not every routed copy)
 TOKENS = ("--parallelism.expert_dispatch", "tokens")
 NVSHMEM = ("--parallelism.expert_exchange", "nvshmem")
+#: the encoders and decoders replicated on every rank (no FSDP of their own)
+REPLICATED = ("--parallelism.encoder_fsdp_mesh", "none")
 #: each encoder block its own FSDP unit (the default before 2026-11-26: each encoder one unit)
 BLOCK_UNITS = ("--parallelism.encoder_fsdp_unit", "block")
 NO_ENCODER_AC = ("--omni.encoder_activation_checkpoint", "none")
@@ -242,7 +244,8 @@ def omni_1gpu(layers: int = 16) -> list[Point]:
 def omni_2gpu() -> list[Point]:
     """Two GPUs, full 8B, FSDP2: stock, text-only, realistic and toy at 8K (toy and realistic
     also with each encoder block an FSDP unit), realistic at 32K
-    with Ulysses SP2; then the 8K points compiled; last 64K, and 128K with the offloads."""
+    with Ulysses SP2, the toy rows logging every 10 steps (also with the encoders replicated);
+    then the 8K points compiled; last 64K, and 128K with the offloads."""
     eager = [
         Point("stock_llama3_8B_8k_fsdp2", "8B", 2, 8192, SEL, stock=True, estimate_s=80),
         Point("omni_8B_8k_text_only", LLAMA8B, 2, 8192, SEL, workload="text", estimate_s=90),
@@ -255,6 +258,11 @@ def omni_2gpu() -> list[Point]:
         *[Point(f"omni_8B_8k_{workload}_log10", LLAMA8B, 2, 8192, SEL + LOG10, steps=30,
                 warmup=10, workload=workload, estimate_s=90)
           for workload in ("long_text", "toy")],
+        # the toy rows with the encoders replicated (no FSDP all-gather or reduce-scatter of
+        # the vision tower, whose post-backward reduction left the GPU idle 26 ms in the
+        # sixth session's profile): what the encoders' own FSDP costs on 2 GPUs
+        Point("omni_8B_8k_toy_log10_encoders_replicated", LLAMA8B, 2, 8192,
+              SEL + LOG10 + REPLICATED, steps=30, warmup=10, workload="toy", estimate_s=90),
         # each encoder block an FSDP unit (parallelism.encoder_fsdp_unit "block")
         Point("omni_8B_8k_toy_encoder_unit_block", LLAMA8B, 2, 8192, SEL + BLOCK_UNITS,
               workload="toy", estimate_s=90),
@@ -364,7 +372,7 @@ def moe_4gpu() -> list[Point]:
         # the toy rows with the encoders replicated (no per-block FSDP collectives) and not
         # checkpointed: how much of the media path's fixed cost those take
         *[Point(f"moe_30B-A3B_12L_8k_ep4_{workload}_exact_encoders_replicated_no_ac", MOE, 4,
-                8192, cut + _ep(4) + ("--parallelism.encoder_fsdp_mesh", "none") + NO_ENCODER_AC,
+                8192, cut + _ep(4) + REPLICATED + NO_ENCODER_AC,
                 workload=workload, estimate_s=80)
           for workload in ("toy", "realistic")],
         # each encoder block an FSDP unit (one gather per block and pass; the default is one
@@ -413,6 +421,9 @@ def moe_2gpu() -> list[Point]:
     # the same with the NVSHMEM exchange (split sizes on the device: no host sync per layer)
     log10 += [point(8192, w, extra=LOG10 + NVSHMEM, suffix="_log10_nvshmem", steps=30,
                     warmup=10) for w in ("long_text", "toy")]
+    # the toy rows with the encoders replicated (no FSDP collectives of their own)
+    log10.append(point(8192, "toy", extra=LOG10 + REPLICATED, suffix="_log10_encoders_replicated",
+                       steps=30, warmup=10))
     # EP2 x Ulysses SP2 x FSDP at 32K: 16K positions per GPU, as the 8K points' 8K
     long = [point(32768, w, layout="sp2_ep2", extra=_sp(2), steps=6, warmup=2, estimate_s=120)
             for w in ("text", "realistic")]
