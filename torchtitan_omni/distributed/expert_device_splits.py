@@ -181,6 +181,17 @@ def shared_nvshmem_exchange(group: ProcessGroup, capacity: int, dim: int, dtype:
     return _EXCHANGES[key]
 
 
+Orders = tuple[torch.Tensor, torch.Tensor]  # a row order and its inverse
+
+
+def _first(orders: Orders | None) -> torch.Tensor | None:
+    return None if orders is None else orders[0]
+
+
+def _second(orders: Orders | None) -> torch.Tensor | None:
+    return None if orders is None else orders[1]
+
+
 class _ExchangeRows(Function):
     """Differentiable :meth:`RowExchange.exchange` with the row orders as ``(order, inverse)``
     pairs: the gradient goes back the same way, the split sizes that arrived as the sizes sent,
@@ -188,9 +199,8 @@ class _ExchangeRows(Function):
 
     @staticmethod
     def forward(ctx, x, in_splits, out_rows: int, exchange: RowExchange,
-                send: tuple | None, recv: tuple | None):
-        out, out_splits = exchange.exchange(x, in_splits, out_rows, send and send[0],
-                                            recv and recv[0])
+                send: Orders | None, recv: Orders | None):
+        out, out_splits = exchange.exchange(x, in_splits, out_rows, _first(send), _first(recv))
         ctx.exchange, ctx.rows, ctx.send, ctx.recv = exchange, x.shape[0], send, recv
         ctx.save_for_backward(out_splits)
         return out
@@ -198,9 +208,8 @@ class _ExchangeRows(Function):
     @staticmethod
     def backward(ctx, grad):
         (out_splits,) = ctx.saved_tensors
-        send, recv = ctx.send, ctx.recv
         grad_x, _ = ctx.exchange.exchange(grad.contiguous(), out_splits, ctx.rows,
-                                          recv and recv[1], send and send[1])
+                                          _second(ctx.recv), _second(ctx.send))
         return grad_x, None, None, None, None, None
 
 
