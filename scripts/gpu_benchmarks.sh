@@ -12,6 +12,10 @@
 # JSON go to $OUT (or bench_out/), the training logs into one archive there, the summaries of
 # profiled steps (scripts/summarize_trace.py) into traces.txt; the tables are printed last.
 #
+# EXTRA="<arguments>" appends trainer arguments to every point (bench_scaling.py --extra), e.g.
+# EXTRA="--profiling.enable_profiling --profiling.profile_freq 20" with a 30-step point profiles
+# its step 20 (summarized into traces.txt).
+#
 # BASELINE_TREE=<folder> runs each argument's points again in an older tree right after this
 # tree's (the same call, so the ratio is fair), its tables as baseline_*.md; make it before the
 # call, untracked so that it travels: mkdir baseline && git archive <commit> | tar -x -C baseline
@@ -57,6 +61,7 @@ for arg in "$@"; do
   flags=()
   [ -n "$mode" ] && flags=("--$mode")
   [ -n "$only" ] && flags+=("--only" "$only")
+  [ -n "${EXTRA:-}" ] && flags+=("--extra" "$EXTRA")
   name=$plan${mode:+_$mode}${only:+_$(echo "$only" | cksum | cut -c1-6)}
   python3 scripts/bench_scaling.py --plan "$plan" "${flags[@]}" --out "$out/$name.md" \
     --logs "$logs/$name" --deadline "$left" > "$logs/$name.runner.log" 2>&1
