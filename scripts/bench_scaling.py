@@ -305,6 +305,13 @@ def llama_4gpu() -> list[Point]:
               warmup=2, workload="realistic", estimate_s=110),
         Point("omni_8B_16k_sp2_realistic", LLAMA8B, 4, 16384, SEL + _sp(2), steps=8,
               workload="realistic", estimate_s=90),
+        # a log line every 10 steps (as omni_2gpu's *_log10 points), and the toy rows with
+        # the encoders replicated
+        *[Point(f"omni_8B_8k_{workload}_log10", LLAMA8B, 4, 8192, SEL + LOG10, steps=30,
+                warmup=10, workload=workload, estimate_s=90)
+          for workload in ("long_text", "toy")],
+        Point("omni_8B_8k_toy_log10_encoders_replicated", LLAMA8B, 4, 8192,
+              SEL + LOG10 + REPLICATED, steps=30, warmup=10, workload="toy", estimate_s=90),
         # each encoder block an FSDP unit (parallelism.encoder_fsdp_unit = "block"), and the
         # default (one unit per encoder) without encoder AC, against the same call's default
         *[Point(f"omni_8B_8k_sp1_{workload}_{tag}", LLAMA8B, 4, 8192, SEL + flags, steps=12,
@@ -394,6 +401,17 @@ def moe_4gpu() -> list[Point]:
                                     (65536, 4, "text"))],
         point("8k_ep2_text_cap1.25", 8192, _ep(2) + best, "text"),
         point("8k_ep4_toy_cap1.25", 8192, _ep(4) + best, "toy"),
+        # a log line every 10 steps (as moe_2gpu's *_log10 points): long text and toy rows
+        # with the NCCL and the NVSHMEM exchange (with 4 ranks, each layer's host sync waits
+        # for the slowest of four), and the toy rows with the encoders replicated
+        *[Point(f"moe_30B-A3B_12L_8k_ep4_{workload}_exact_log10{suffix}", MOE, 4, 8192,
+                cut + _ep(4) + LOG10 + flags, workload=workload, steps=30, warmup=10,
+                estimate_s=90)
+          for suffix, flags in (("", ()), ("_nvshmem", NVSHMEM))
+          for workload in ("long_text", "toy")],
+        Point("moe_30B-A3B_12L_8k_ep4_toy_exact_log10_encoders_replicated", MOE, 4, 8192,
+              cut + _ep(4) + LOG10 + REPLICATED, workload="toy", steps=30, warmup=10,
+              estimate_s=90),
     ]
 
 

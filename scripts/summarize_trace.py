@@ -64,6 +64,7 @@ def summarize(path: str, top: int = 20) -> str:
     lines += idle_gaps(events, kernels, top)
     lines += host_syncs(events, start, start + wall_us)
     lines += by_part(events, kernels)
+    lines += host_by_part(events, top)
     return "\n".join(lines)
 
 
@@ -228,6 +229,69 @@ def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
         out.append(f"  {part:24s} {pass_:9s} {r['timeline'] / 1e3:7.1f} ms "
                    f"{r['busy'] / 1e3:7.1f} ms {(r['timeline'] - r['busy']) / 1e3:6.1f} ms "
                    f"{r['comm'] / 1e3:10.1f} ms {r['n']:8d}")
+    return out
+
+
+#: the host calls that queue GPU work (kernels, copies, memsets)
+LAUNCH = re.compile(r"LaunchKernel|Memcpy|Memset", re.I)
+HOST_CATS = ("cpu_op", "python_function", "user_annotation")
+
+
+def host_by_part(events: list[dict], top: int = 6) -> list[str]:
+    """The host side of ``by_part``: how long each host thread stayed in each part and pass
+    (from the mark that opened it to the next mark on that thread, or to the thread's last
+    event), the GPU work it queued there and the host time per launch; then the longest
+    top-level host ops of the main thread before its first mark (the step's start: data,
+    inputs, the loss normalizers), what the GPU waits for when the host falls behind."""
+    marks = _phase_marks(events)
+    if not marks:
+        return []
+    launches: dict = defaultdict(list)
+    ends: dict = defaultdict(float)
+    for e in events:
+        if "dur" not in e or "tid" not in e:
+            continue
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and LAUNCH.search(str(e["name"])):
+            launches[e["tid"]].append(e["ts"])
+        if e.get("cat") in HOST_CATS + ("cuda_runtime", "cuda_driver"):
+            ends[e["tid"]] = max(ends[e["tid"]], e["ts"] + e["dur"])
+    rows: dict = {}
+    for tid, seq in marks.items():
+        times = sorted(launches.get(tid, []))
+        bounds = [at for at, _ in seq] + [ends[tid]]
+        for (at, phase), stop in zip(seq, bounds[1:]):
+            if phase is None or stop <= at:
+                continue
+            row = rows.setdefault(phase, [0.0, 0])
+            row[0] += stop - at
+            row[1] += bisect.bisect_left(times, stop) - bisect.bisect_left(times, at)
+    out = ["  host by part (time each host thread spent in the part, the GPU work it queued):",
+           f"  {'part':24s} {'pass':9s} {'host':>10s} {'launches':>9s} {'per launch':>11s}"]
+    for (part, pass_), (host_us, n) in rows.items():
+        per = f"{host_us / n:8.1f} us" if n else "         -"
+        out.append(f"  {part:24s} {pass_:9s} {host_us / 1e3:7.1f} ms {n:9d} {per:>11s}")
+    # the main thread: the one whose first mark is a forward
+    main_tid = min(marks, key=lambda t: (marks[t][0][1] != ("encoders.vision", "forward")
+                                         and marks[t][0][1][1] != "forward", marks[t][0][0]))
+    first = marks[main_tid][0][0]
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
+             and "dur" in e and e["ts"] <= first]
+    begin = max((e["ts"] for e in steps), default=None)
+    if begin is None:
+        return out
+    inside = sorted((e for e in events if e.get("tid") == main_tid and e.get("cat") in HOST_CATS
+                     and "dur" in e and begin <= e["ts"] and e["ts"] + e["dur"] <= first
+                     and not str(e["name"]).startswith("ProfilerStep#")),
+                    key=lambda e: (e["ts"], -e["dur"]))
+    top_level, reach = [], begin
+    for e in inside:  # not nested in an earlier op
+        if e["ts"] >= reach:
+            top_level.append(e)
+            reach = e["ts"] + e["dur"]
+    out.append(f"  host before the first unit (step start to its first mark): "
+               f"{(first - begin) / 1e3:.1f} ms; longest top-level ops:")
+    for e in sorted(top_level, key=lambda e: -e["dur"])[:top]:
+        out.append(f"  {e['dur'] / 1e3:9.1f} ms  {str(e['name'])[:80]}")
     return out
 
 

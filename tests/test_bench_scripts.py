@@ -116,11 +116,15 @@ def test_trace_summary_splits_the_timeline_by_part(tmp_path):
         kernel(1, 1000, 1000), kernel(2, 5000, 2000), kernel(3, 8000, 1000),
         kernel(4, 9500, 500), kernel(7, 9600, 3000, "ncclDevKernel_AllGather_RING_LL"),
         kernel(5, 12000, 1000), kernel(6, 13000, 500),
+        # the step starts before the first unit: data (with a nested op), then the inputs
+        host("ProfilerStep#20", -30, main, 100), host("next(data)", -28, main, 20, "cpu_op"),
+        host("aten::copy_", -27, main, 5, "cpu_op"), host("model_inputs", -6, main, 4),
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    rows = {tuple(line.split()[:2]): line.split()[2:] for line in
-            trace.summarize(str(path)).split("by part")[1].splitlines()[2:]}
+    text = trace.summarize(str(path))
+    device_part, host_part = text.split("  by part (kernels")[1].split("  host by part")
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in device_part.splitlines()[2:]}
     # timeline, computing, idle, communication (ms) and kernels of each part and pass
     expected = {
         ("encoders.vision", "forward"): ["1.0", "1.0", "0.0", "0.0", "1"],
@@ -132,6 +136,19 @@ def test_trace_summary_splits_the_timeline_by_part(tmp_path):
     assert {k: [x for x in v if x != "ms"] for k, v in rows.items()} == expected, rows
     # the timelines add up to the compute window (1.0 to 13.5 ms)
     assert sum(float(v[0]) for v in expected.values()) == 12.5
+    # the host: each thread's time from a part's mark to its next mark (the main thread's last
+    # to its last event, the step's end at 70 us; the backward thread's to the recompute's end
+    # at 39 us) and the launches queued there (a driver launch too)
+    host_rows = {tuple(line.split()[:2]): line.split()[2:] for line in
+                 host_part.split("  host before")[0].splitlines()[2:]}
+    assert {k: (v[2], v[3]) for k, v in host_rows.items()} == {
+        ("encoders.vision", "forward"): ("1", "10.0"), ("llm", "forward"): ("2", "25.0"),
+        ("llm", "backward"): ("1", "10.0"), ("encoders.vision", "backward"): ("2", "4.5"),
+        ("optimizer", "step"): ("1", "10.0"),
+    }, host_rows
+    before = host_part.split("host before")[1].splitlines()
+    assert "0.0 ms; longest top-level ops:" in before[0]  # 30 us
+    assert [line.split("ms")[1].strip() for line in before[1:]] == ["next(data)", "model_inputs"]
 
 
 def _omni_line(step: int, stamp: str, tps: int) -> str:
