@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
 from unittest import mock
@@ -678,26 +679,43 @@ def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "")
     return row
 
 
+def variant(row: dict) -> str:
+    """A row's name with its workload taken out: rows of one variant differ only in data
+    (``omni_8B_8k_toy_log10`` and ``omni_8B_8k_long_text_log10`` are ``omni_8B_8k_{}_log10``)."""
+    return row["name"].replace(f"_{row.get('workload')}", "_{}", 1)
+
+
 def add_ratios(rows: list[dict]) -> None:
     """Each measured row's tokens/s over the stock row of the same GPUs, sequence length and
     compile setting (``vs_stock``), and over the omni text-only and long-text rows of the same
-    model too (``vs_text``, ``vs_long_text``), when those were measured."""
+    model too (``vs_text``, ``vs_long_text``), when those were measured. Where several rows
+    qualify, the one of the same variant (the same trainer flags, ``variant``) is the
+    reference, else the plainest (the shortest name): a flag never borrows another flag's
+    baseline."""
     def key(r, model: bool):
         return r["ngpu"], r["seq_len"], r.get("compile", False), r.get("config") if model else None
 
-    stock = {key(r, False): r["tps"] for r in rows if r.get("stock") and "tps" in r}
-    def omni(workload: str) -> dict:
-        return {key(r, True): r["tps"] for r in rows
-                if not r.get("stock") and r.get("workload") == workload and "tps" in r}
+    def candidates(stock: bool, workload: str | None) -> dict:
+        found: dict = defaultdict(list)
+        for r in rows:
+            if "tps" in r and bool(r.get("stock")) == stock and (
+                    workload is None or r.get("workload") == workload):
+                found[key(r, not stock)].append(r)
+        return found
 
-    refs = (("vs_stock", stock, False), ("vs_text", omni("text"), True),
-            ("vs_long_text", omni("long_text"), True))
+    refs = (("vs_stock", candidates(True, None), False),
+            ("vs_text", candidates(False, "text"), True),
+            ("vs_long_text", candidates(False, "long_text"), True))
     for r in rows:
         if "tps" not in r:
             continue
-        for name, ref, model in refs:
-            if ref.get(key(r, model)):
-                r[name] = r["tps"] / ref[key(r, model)]
+        for name, found, model in refs:
+            pool = found.get(key(r, model))
+            if not pool:
+                continue
+            same = [c for c in pool if variant(c) == variant(r)]
+            ref = same[0] if same else min(pool, key=lambda c: len(c["name"]))
+            r[name] = r["tps"] / ref["tps"]
 
 
 # ----------------------------------------------------------------- datasets

@@ -151,6 +151,25 @@ def test_trace_summary_splits_the_timeline_by_part(tmp_path):
     assert [line.split("ms")[1].strip() for line in before[1:]] == ["next(data)", "model_inputs"]
 
 
+def test_ratios_pair_each_variant_with_its_own_baseline():
+    """Two exchanges measured in one call (2026-11-26, 4x H100): each toy row's long-text
+    reference is the row with the same flags, not whichever long-text row came last."""
+    bench = _script("bench_scaling")
+    stem = "moe_12L_8k_ep4"
+    rows = [_row(f"{stem}_long_text_exact_log10", 15290.0, workload="long_text"),
+            _row(f"{stem}_toy_exact_log10", 11500.0, workload="toy"),
+            _row(f"{stem}_long_text_exact_log10_nvshmem", 14004.0, workload="long_text"),
+            _row(f"{stem}_toy_exact_log10_nvshmem", 11690.0, workload="toy"),
+            # no long-text row of its variant: the plainest long-text row of the same model
+            _row(f"{stem}_toy_exact_log10_encoders_replicated", 7645.0, workload="toy")]
+    bench.add_ratios(rows)
+    by = {r["name"]: r.get("vs_long_text") for r in rows}
+    assert by[f"{stem}_toy_exact_log10"] == pytest.approx(11500 / 15290)
+    assert by[f"{stem}_toy_exact_log10_nvshmem"] == pytest.approx(11690 / 14004)
+    assert by[f"{stem}_long_text_exact_log10_nvshmem"] == 1.0
+    assert by[f"{stem}_toy_exact_log10_encoders_replicated"] == pytest.approx(0.5)
+
+
 def _omni_line(step: int, stamp: str, tps: int) -> str:
     return (f"[rank0]:[titan] 2026-11-23 {stamp} - root - INFO - step: {step}  loss:  7.1 "
             f"(text: 7.1)  grad_norm:  4.2  memory: 70.00GiB(50.00%)  tps: {tps:,}  "
