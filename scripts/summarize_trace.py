@@ -237,17 +237,30 @@ LAUNCH = re.compile(r"LaunchKernel|Memcpy|Memset", re.I)
 HOST_CATS = ("cpu_op", "python_function", "user_annotation")
 
 
+def _top_level(ops: list[dict]) -> list[dict]:
+    """The host ops of one thread not nested in an earlier one (time order)."""
+    out, reach = [], float("-inf")
+    for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
+        if e["ts"] >= reach:
+            out.append(e)
+            reach = e["ts"] + e["dur"]
+    return out
+
+
 def host_by_part(events: list[dict], top: int = 6) -> list[str]:
     """The host side of ``by_part``: how long each host thread stayed in each part and pass
     (from the mark that opened it to the next mark on that thread, or to the thread's last
-    event), the GPU work it queued there and the host time per launch; then the longest
-    top-level host ops of the main thread before its first mark (the step's start: data,
-    inputs, the loss normalizers), what the GPU waits for when the host falls behind."""
+    event), how much of that ran inside torch ops (top-level ``cpu_op`` spans: dispatch and
+    launches) and how much outside them (Python, hooks, waits no op records), the GPU work it
+    queued and the host time per launch; the longest ops of each encoder's forward; then the
+    longest top-level host ops of the main thread before its first mark (the step's start:
+    data, inputs, the loss normalizers), what the GPU waits for when the host falls behind."""
     marks = _phase_marks(events)
     if not marks:
         return []
     launches: dict = defaultdict(list)
     ends: dict = defaultdict(float)
+    ops: dict = defaultdict(list)
     for e in events:
         if "dur" not in e or "tid" not in e:
             continue
@@ -255,41 +268,53 @@ def host_by_part(events: list[dict], top: int = 6) -> list[str]:
             launches[e["tid"]].append(e["ts"])
         if e.get("cat") in HOST_CATS + ("cuda_runtime", "cuda_driver"):
             ends[e["tid"]] = max(ends[e["tid"]], e["ts"] + e["dur"])
+        if e.get("cat") == "cpu_op":
+            ops[e["tid"]].append(e)
     rows: dict = {}
+    by_op: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     for tid, seq in marks.items():
         times = sorted(launches.get(tid, []))
+        top_ops = _top_level(ops.get(tid, []))
+        op_starts = [e["ts"] for e in top_ops]
         bounds = [at for at, _ in seq] + [ends[tid]]
         for (at, phase), stop in zip(seq, bounds[1:]):
             if phase is None or stop <= at:
                 continue
-            row = rows.setdefault(phase, [0.0, 0])
+            row = rows.setdefault(phase, [0.0, 0, 0.0])
             row[0] += stop - at
             row[1] += bisect.bisect_left(times, stop) - bisect.bisect_left(times, at)
-    out = ["  host by part (time each host thread spent in the part, the GPU work it queued):",
-           f"  {'part':24s} {'pass':9s} {'host':>10s} {'launches':>9s} {'per launch':>11s}"]
-    for (part, pass_), (host_us, n) in rows.items():
+            for e in top_ops[bisect.bisect_left(op_starts, at):bisect.bisect_left(op_starts, stop)]:
+                row[2] += min(e["ts"] + e["dur"], stop) - e["ts"]
+                by_op[phase][str(e["name"])][0] += e["dur"]
+                by_op[phase][str(e["name"])][1] += 1
+    out = ["  host by part (time each host thread spent in the part, inside torch ops and "
+           "outside them, the GPU work it queued):",
+           f"  {'part':24s} {'pass':9s} {'host':>10s} {'in ops':>10s} {'outside':>10s} "
+           f"{'launches':>9s} {'per launch':>11s}"]
+    for (part, pass_), (host_us, n, in_ops) in rows.items():
         per = f"{host_us / n:8.1f} us" if n else "         -"
-        out.append(f"  {part:24s} {pass_:9s} {host_us / 1e3:7.1f} ms {n:9d} {per:>11s}")
+        out.append(f"  {part:24s} {pass_:9s} {host_us / 1e3:7.1f} ms {in_ops / 1e3:7.1f} ms "
+                   f"{(host_us - in_ops) / 1e3:7.1f} ms {n:9d} {per:>11s}")
+    for (part, pass_), names in by_op.items():
+        if part.startswith("encoders.") and pass_ == "forward":
+            out.append(f"  {part} forward, longest top-level ops (total, count):")
+            for name, (dur, n) in sorted(names.items(), key=lambda kv: -kv[1][0])[:top]:
+                out.append(f"  {dur / 1e3:9.1f} ms {n:6d}x  {name[:70]}")
     # the main thread: the one whose first mark is a forward
-    main_tid = min(marks, key=lambda t: (marks[t][0][1] != ("encoders.vision", "forward")
-                                         and marks[t][0][1][1] != "forward", marks[t][0][0]))
+    main_tid = min(marks, key=lambda t: (marks[t][0][1][1] != "forward", marks[t][0][0]))
     first = marks[main_tid][0][0]
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
              and "dur" in e and e["ts"] <= first]
     begin = max((e["ts"] for e in steps), default=None)
     if begin is None:
         return out
-    inside = sorted((e for e in events if e.get("tid") == main_tid and e.get("cat") in HOST_CATS
-                     and "dur" in e and begin <= e["ts"] and e["ts"] + e["dur"] <= first
-                     and not str(e["name"]).startswith("ProfilerStep#")),
-                    key=lambda e: (e["ts"], -e["dur"]))
-    top_level, reach = [], begin
-    for e in inside:  # not nested in an earlier op
-        if e["ts"] >= reach:
-            top_level.append(e)
-            reach = e["ts"] + e["dur"]
+    top_level = _top_level([e for e in events if e.get("tid") == main_tid
+                            and e.get("cat") in HOST_CATS and "dur" in e and begin <= e["ts"]
+                            and e["ts"] + e["dur"] <= first
+                            and not str(e["name"]).startswith("ProfilerStep#")])
     out.append(f"  host before the first unit (step start to its first mark): "
-               f"{(first - begin) / 1e3:.1f} ms; longest top-level ops:")
+               f"{(first - begin) / 1e3:.1f} ms, {sum(e['dur'] for e in top_level) / 1e3:.1f} ms "
+               "of it in top-level host ops; the longest:")
     for e in sorted(top_level, key=lambda e: -e["dur"])[:top]:
         out.append(f"  {e['dur'] / 1e3:9.1f} ms  {str(e['name'])[:80]}")
     return out

@@ -119,6 +119,9 @@ def test_trace_summary_splits_the_timeline_by_part(tmp_path):
         # the step starts before the first unit: data (with a nested op), then the inputs
         host("ProfilerStep#20", -30, main, 100), host("next(data)", -28, main, 20, "cpu_op"),
         host("aten::copy_", -27, main, 5, "cpu_op"), host("model_inputs", -6, main, 4),
+        # the vision forward's ops: a top-level linear (its addmm nested) and two adds
+        host("aten::linear", 2, main, 5, "cpu_op"), host("aten::addmm", 3, main, 2, "cpu_op"),
+        host("aten::add", 7, main, 1, "cpu_op"), host("aten::add", 8, main, 1, "cpu_op"),
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
@@ -140,15 +143,42 @@ def test_trace_summary_splits_the_timeline_by_part(tmp_path):
     # to its last event, the step's end at 70 us; the backward thread's to the recompute's end
     # at 39 us) and the launches queued there (a driver launch too)
     host_rows = {tuple(line.split()[:2]): line.split()[2:] for line in
-                 host_part.split("  host before")[0].splitlines()[2:]}
-    assert {k: (v[2], v[3]) for k, v in host_rows.items()} == {
+                 host_part.split("  encoders.vision forward, longest")[0].splitlines()[2:]}
+    assert {k: (v[6], v[7]) for k, v in host_rows.items()} == {
         ("encoders.vision", "forward"): ("1", "10.0"), ("llm", "forward"): ("2", "25.0"),
         ("llm", "backward"): ("1", "10.0"), ("encoders.vision", "backward"): ("2", "4.5"),
         ("optimizer", "step"): ("1", "10.0"),
     }, host_rows
+    # the vision forward's top-level ops (the nested addmm is in its linear), by total time
+    ops = host_part.split("encoders.vision forward, longest top-level ops")[1].split(
+        "  host before")[0].splitlines()[1:]
+    assert [line.split("ms")[1].split() for line in ops] == [["1x", "aten::linear"],
+                                                              ["2x", "aten::add"]]
     before = host_part.split("host before")[1].splitlines()
-    assert "0.0 ms; longest top-level ops:" in before[0]  # 30 us
+    assert "0.0 ms of it in top-level host ops; the longest:" in before[0]  # 30 us, 24 us
     assert [line.split("ms")[1].strip() for line in before[1:]] == ["next(data)", "model_inputs"]
+
+
+def test_trace_summary_splits_host_time_into_ops_and_outside():
+    trace = _script("summarize_trace")
+
+    def ev(name, ts, dur, cat="cpu_op", **args):
+        return {"name": name, "cat": cat, "ts": ts, "dur": dur, "tid": 1, "args": args}
+
+    events = [
+        ev("FSDP::pre_forward (encoders.vision)", 0, 10, "user_annotation"),
+        ev("aten::linear", 1000, 3000), ev("aten::addmm", 1500, 2000),  # nested: not twice
+        ev("aten::add", 5000, 1000),
+        *[ev("cudaLaunchKernel", t, 5, "cuda_runtime", correlation=i)
+          for i, t in enumerate((1600, 5100, 5200))],
+        ev("FSDP::pre_forward (llm.layers.0)", 10000, 10, "user_annotation"),
+        ev("aten::mm", 10500, 500),
+    ]
+    text = "\n".join(trace.host_by_part(events))
+    row = next(line.split() for line in text.splitlines()
+               if line.split()[:2] == ["encoders.vision", "forward"])
+    # 10 ms in the part: 4 ms inside top-level ops (3 + 1), 6 ms outside; 3 launches
+    assert row[2:] == ["10.0", "ms", "4.0", "ms", "6.0", "ms", "3", "3333.3", "us"], row
 
 
 def test_ratios_pair_each_variant_with_its_own_baseline():
