@@ -130,9 +130,22 @@ def host_syncs(events: list[dict], start: float, stop: float) -> list[str]:
         by_op[f"{sync['name']} in {caller}"[:100]] += 1
     out = [f"  host syncs in the GPU window: {len(syncs)}"]
     out += [f"  {n:9d}x  {name}" for name, n in sorted(by_op.items(), key=lambda kv: -kv[1])]
+    # the caching allocator's trips to the driver: cudaFree (and unmapping expandable
+    # segments) waits for the whole device, a host sync no Synchronize call shows
+    memory: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if (e.get("cat") in ("cuda_runtime", "cuda_driver") and MEMORY_CALL.search(e["name"])
+                and start <= e["ts"] <= stop):
+            memory[e["name"]][0] += 1
+            memory[e["name"]][1] += e.get("dur", 0.0)
+    out += [f"  {int(n):9d}x  {name} ({dur / 1e3:.1f} ms on the host)"
+            for name, (n, dur) in sorted(memory.items(), key=lambda kv: -kv[1][1])]
     return out
 
 
+#: device memory calls of the caching allocator (cudaFree waits for the device)
+MEMORY_CALL = re.compile(r"^(cudaFree|cudaMalloc|cuMemUnmap|cuMemMap|cuMemCreate|cuMemRelease|"
+                         r"cuMemAddressFree)")
 #: FSDP2's profiler ranges that open a unit's work: "FSDP::pre_forward (llm.layers.3)"
 FSDP_MARK = re.compile(r"^FSDP::(pre_forward|pre_backward) \(([^)]*)\)")
 OPTIMIZER = "Optimizer.step#"

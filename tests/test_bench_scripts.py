@@ -71,6 +71,9 @@ def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
         # the .item() waits in the gap; a later sync outside the kernels' window is not counted
         {"name": "cudaStreamSynchronize", "cat": "cuda_runtime", "ts": 11500, "dur": 8000},
         {"name": "cudaStreamSynchronize", "cat": "cuda_runtime", "ts": 30000, "dur": 10},
+        # the allocator giving memory back: cudaFree waits for the device
+        {"name": "cudaFree", "cat": "cuda_runtime", "ts": 13000, "dur": 2500},
+        {"name": "cudaFree", "cat": "cuda_runtime", "ts": 16000, "dur": 500},
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
@@ -82,6 +85,7 @@ def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
     assert "10.0 ms  cudaStreamSynchronize < aten::_local_scalar_dense" in text
     assert "host syncs in the GPU window: 1" in text
     assert "1x  cudaStreamSynchronize in aten::_local_scalar_dense" in text
+    assert "2x  cudaFree (3.0 ms on the host)" in text
 
 
 def test_trace_summary_splits_the_timeline_by_part(tmp_path):
