@@ -6,7 +6,10 @@ longest idle gaps, the host syncs (CUDA ``*Synchronize`` calls, by the host op t
 them: a sync per MoE layer, say, shows as one op's count equal to the layer count) and the
 GPU timeline by part of the model (the LLM, each encoder, the optimizer; forward and backward):
 how long each held the GPU, how much of that it computed and how long the GPU sat idle
-waiting for it.
+waiting for it; then the host side by part: each host thread's time in each part, inside
+top-level torch ops or outside them (Python, hooks, unrecorded waits), the GPU work it queued
+and the host time per launch, and the caching allocator's driver calls (a ``cudaFree`` waits
+for the whole device).
 Traces come from TorchTitan's profiler, e.g. ``--profiling.enable_profiling
 --profiling.profile_freq 6`` writes ``<dump_folder>/profile_traces/iteration_6/rank0_trace.json``.
 
