@@ -1,4 +1,5 @@
-"""Shared test set-up: CPU device, one thread per process, GPU tests skipped without CUDA."""
+"""Shared test set-up: CPU device, one thread per process, GPU tests skipped without CUDA; and
+``run_train.sh`` runs that test modules of two folders check (session fixtures)."""
 
 import os
 import sys
@@ -23,3 +24,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def part_layout_runs(tmp_path_factory):
+    """llama_omni debug through ``run_train.sh`` on 2 ranks under Ulysses SP2, 4 steps, in the
+    default layout and in the mixed ``[parallelism.parts]`` one
+    (``tests/checkpoint/test_resume_part_layouts.py: train_layouts``). Shared: the resume tests
+    there and the tables' launcher test of ``tests/distributed/test_part_layouts.py`` would
+    each train the same two runs (~20 s each on 2 cores)."""
+    from tests.checkpoint.test_resume_part_layouts import train_layouts
+
+    return train_layouts(tmp_path_factory)

@@ -20,6 +20,10 @@ tensor's largest value; on CPU they come out bit-identical, but gloo's reduction
 promised to stay so). The two uninterrupted runs agree within 1e-5 as
 well (the claim of ``test_part_layouts.py``, through the launcher here), so the check is not
 met by a resume that silently re-initializes a part: steps 3-4 would then differ.
+
+The two uninterrupted runs (:func:`train_layouts`) are a session fixture, ``part_layout_runs``
+(``tests/conftest.py``): ``test_part_layouts.py`` checks the tables' log lines and losses
+through the launcher on the same two runs.
 """
 
 from __future__ import annotations
@@ -40,7 +44,10 @@ TOL = 1e-5
 COMMON = ("--parallelism.ulysses_degree", "2", "--training.steps", str(STEPS),
           "--lr_scheduler.warmup_steps", str(SAVED),
           "--checkpoint.enable", "--checkpoint.interval", str(SAVED),
-          "--checkpoint.no-last_save_model_only", "--checkpoint.keep_latest_k", "0")
+          "--checkpoint.no-last_save_model_only", "--checkpoint.keep_latest_k", "0",
+          # 1 row: every non-empty encoder call is checkpointed where an encoder is (the mixed
+          # layout's vision tower; the same losses), and the log says so (test_part_layouts)
+          "--omni.encoder_checkpoint_min_tokens", "1")
 #: the line ``parallelize`` logs for the mixed layout's meshes
 MIXED_MESHES = "encoders.vision: none, one unit, encoders.audio: dp_shard,"
 #: tensors whose saved chunks show the layout: 2 shards in the default layout, 1 replica (DCP
@@ -56,25 +63,36 @@ def _chunks(folder: str, step: int) -> dict[str, int]:
     return {k: len(meta.state_dict_metadata[k].chunks) for k in keys}
 
 
-@pytest.fixture(scope="module")
-def configs(tmp_path_factory) -> dict[str, str]:
-    folder = tmp_path_factory.mktemp("part_layout_configs")
+def train_layouts(tmp_path_factory) -> dict[str, dict]:
+    """Per layout, ``default`` and ``mixed``, trained uninterrupted with :data:`COMMON`: its
+    config file (``config``), dump folder with checkpoints at steps 2 and 4 (``folder``),
+    full-precision losses (``losses``) and console output (``output``). The session fixture
+    ``part_layout_runs`` (``tests/conftest.py``) calls it once for this module and
+    ``test_part_layouts.py``."""
+    configs = tmp_path_factory.mktemp("part_layout_configs")
     out = {}
     for name, text in (("default", DEBUG_TOML), ("mixed", DEBUG_TOML + MIXED_TOML)):
         # the bundled config's relative paths (dataset, tokenizer) are read from the repository
-        path = folder / f"{name}.toml"
-        path.write_text(text)
-        out[name] = str(path)
+        config = configs / f"{name}.toml"
+        config.write_text(text)
+        folder = str(tmp_path_factory.mktemp(f"uninterrupted_{name}"))
+        losses, output = train_logged(str(config), folder, 2, *COMMON)
+        out[name] = {"config": str(config), "folder": folder, "losses": losses,
+                     "output": output}
     return out
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(configs, tmp_path_factory) -> dict[str, tuple[str, dict]]:
+def configs(part_layout_runs) -> dict[str, str]:
+    return {name: run["config"] for name, run in part_layout_runs.items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(part_layout_runs) -> dict[str, tuple[str, dict]]:
     """Per layout: its dump folder (checkpoints at steps 2 and 4) and its losses."""
     out = {}
-    for name, config in configs.items():
-        folder = str(tmp_path_factory.mktemp(f"uninterrupted_{name}"))
-        losses, output = train_logged(config, folder, 2, *COMMON)
+    for name, run in part_layout_runs.items():
+        folder, losses, output = run["folder"], run["losses"], run["output"]
         assert sorted(losses) == list(range(1, STEPS + 1)), output[-3000:]
         assert (MIXED_MESHES in output) == (name == "mixed"), output[-3000:]
         assert sorted(os.listdir(os.path.join(folder, "checkpoint"))) == ["step-2", "step-4"]

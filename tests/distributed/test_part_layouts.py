@@ -415,30 +415,23 @@ def test_qwen3_moe_omni_mixed_layout_under_ulysses_2_and_expert_parallel_2():
 
 
 # ----------------------------------------------------------------- run_train.sh
-STEPS = 3
+#: the steps of the shared runs (``part_layout_runs``)
+STEPS = 4
 
 
 @pytest.mark.slow
-def test_run_train_with_part_tables_matches_default(tmp_path):
+def test_run_train_with_part_tables_matches_default(part_layout_runs):
     """The TOML tables through the launcher (config check, trainer, parallelize): Ulysses 2,
-    the same per-step losses as the default layout."""
-    from tests.harness import run_train
+    the same per-step losses as the default layout. The two runs (4 steps, checkpoints at 2
+    and 4, ``--omni.encoder_checkpoint_min_tokens 1``) are the session fixture the resume tests
+    of ``tests/checkpoint/test_resume_part_layouts.py`` share."""
+    from tests.harness import TrainRun, parse_losses
 
-    mixed = tmp_path / "mixed.toml"
-    mixed.write_text(DEBUG_TOML + MIXED_TOML)
-    runs = {}
-    for name, config in (("default", REPO / "train_configs" / "llama_omni_debug.toml"),
-                         ("mixed", mixed)):
-        run = run_train(config, 2, "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps",
-                        str(STEPS), "--debug.deterministic", "--debug.seed", "42",
-                        "--parallelism.ulysses_degree", "2",
-                        # 1 row: every non-empty encoder call is still checkpointed; the log
-                        # says so where an encoder is, and warns where none is (the default)
-                        "--omni.encoder_checkpoint_min_tokens", "1",
-                        "--job.dump_folder", str(tmp_path / name))
-        assert run.returncode == 0, run.output[-4000:]
+    # the console's losses, as run_train parses them (5 decimals)
+    runs = {name: TrainRun(0, run["output"], *parse_losses(run["output"]))
+            for name, run in part_layout_runs.items()}
+    for run in runs.values():
         assert sorted(run.losses) == list(range(1, STEPS + 1)), run.output[-3000:]
-        runs[name] = run
     out = runs["mixed"].output
     assert "Encoders split media items over SP ranks: audio" in out
     assert "Encoders balance media items over 2 ranks: vision" in out
