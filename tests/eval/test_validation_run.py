@@ -1,6 +1,6 @@
 """Validation through ``run_train.sh``: llama_omni debug on 2 CPU processes with Ulysses SP2,
-4 steps, ``validation.freq = 2``, ``validation.steps = 2``, TensorBoard on (the slow tests add
-checkpoints at steps 2 and 4).
+4 steps, ``validation.freq = 2``, ``validation.steps = 2``, TensorBoard on, checkpoints at
+steps 2 and 4 (one such run, ``run_a``, is what every test checks or continues).
 
 - validation runs at steps 2 and 4 only and logs the total, every named loss and every
   document mix, on the console and in TensorBoard;
@@ -43,14 +43,6 @@ def _run(folder, *extra):
 
 
 @pytest.fixture(scope="module")
-def light(tmp_path_factory):
-    """Validation on, no checkpoint (two rows per step)."""
-    folder = tmp_path_factory.mktemp("validation_light")
-    run = _run(folder, *VALIDATION)
-    return folder, run, read_scalars(str(folder))
-
-
-@pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
     """Validation on, checkpoints at steps 2 and 4."""
     folder = tmp_path_factory.mktemp("validation_a")
@@ -59,8 +51,8 @@ def run_a(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_validation_at_freq_with_every_loss(light):
-    _, run, scalars = light
+def test_validation_at_freq_with_every_loss(run_a):
+    _, run, scalars = run_a
     lines = [line for line in run.output.splitlines() if "validate step:" in line]
     assert [line.split("validate step:")[1].split()[0] for line in lines] == ["2", "4"]
     assert all("text:" in line and "gen_image:" in line and "by mix:" in line for line in lines)
@@ -91,9 +83,9 @@ def test_resume_validates_as_the_uninterrupted_run(run_a, tmp_path):
 
 
 @pytest.mark.slow
-def test_validation_does_not_change_training(light, tmp_path):
-    _, _, scalars_a = light
-    _run(tmp_path)
+def test_validation_does_not_change_training(run_a, tmp_path):
+    _, _, scalars_a = run_a
+    _run(tmp_path, *CHECKPOINT)  # run_a without validation
     scalars_c = read_scalars(str(tmp_path))
     assert not any(t.startswith("validation/") for t in scalars_c)
     assert scalars_c["loss_metrics/global_avg_loss"] == scalars_a["loss_metrics/global_avg_loss"]
