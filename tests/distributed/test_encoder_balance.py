@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import REPO, run_distributed, run_train
+from tests.harness import run_distributed
 from torchtitan_omni.distributed.boundary import assign_items, imbalance, loads
 
 P, D = 3, 4  # toy patch width and output width
@@ -213,24 +213,25 @@ def test_tiny_model_dp2_sp2_matches_reference():
 
 
 # ----------------------------------------------------------------- run_train.sh
-STEPS = 3
-
-
 @pytest.mark.slow
-def test_llama_omni_balance_losses_match_default():
-    config = REPO / "train_configs" / "llama_omni_debug.toml"
-    runs = {}
-    for mode in ("replicate", "balance"):
-        run = run_train(config, 2, "--training.steps", str(STEPS),
-                        "--lr_scheduler.warmup_steps", str(STEPS), "--debug.deterministic",
-                        "--debug.seed", "42", "--job.dump_folder", f"outputs/test_balance_{mode}",
-                        "--parallelism.encoder_sequence_parallel", mode)
-        assert run.returncode == 0, run.output[-4000:]
+def test_llama_omni_balance_losses_match_default(colocated_run, tmp_path):
+    """Balanced encoders through the launcher on 2 processes: every step's losses (the
+    console's) within 1e-5 of the replicated encoders' (the default), and the validation
+    metrics too. The replicated run is the colocated reference of
+    ``test_noncolocated_trainer.py`` (session fixture ``colocated_run``): 3 steps of two
+    micro-batches, validation after step 2, a checkpoint per step; the balanced run has the
+    same settings (``_train`` there)."""
+    from tests.distributed.test_noncolocated_trainer import DEBUG, STEPS, _close, _train
+
+    balanced = _train(DEBUG, str(tmp_path), 2, "--parallelism.encoder_sequence_parallel",
+                      "balance")
+    runs = {"replicate": colocated_run[1]["run"], "balance": balanced["run"]}
+    for run in runs.values():
         assert sorted(run.losses) == list(range(1, STEPS + 1)), run.output[-3000:]
-        runs[mode] = run
     assert "Encoders balance media items over 2 ranks" in runs["balance"].output
     for step in range(1, STEPS + 1):
         base, bal = runs["replicate"], runs["balance"]
         assert abs(bal.losses[step] - base.losses[step]) <= 1e-5, (step, base.losses, bal.losses)
         for name, value in base.named[step].items():
             assert abs(bal.named[step][name] - value) <= 1e-5, (step, name, base.named, bal.named)
+    assert not _close(balanced["validation"], colocated_run[1]["validation"], [2])

@@ -30,6 +30,7 @@ from tests.harness import REPO, run_distributed, run_train
 TOL = 1e-5
 STEPS = 3
 NONCOLOCATED = REPO / "train_configs" / "llama_omni_debug_noncolocated.toml"
+DEBUG = str(REPO / "train_configs" / "llama_omni_debug.toml")
 
 
 def _ranks_toml(vision: str = "[0]", audio: str | None = "[0]") -> str:
@@ -172,7 +173,8 @@ PIPELINED_ORDER = ["encode 0", "encode 1", "gradients 0", "gradients 1"]
 def _train(config, folder: str, ngpu: int, *overrides: str) -> dict[str, dict]:
     """Every step's named losses and gradient norm at full precision (global rank 0),
     ``steps``; the encoder server's order per step (an encoder rank 0), ``events``; every
-    validation's metrics, ``validation``."""
+    validation's metrics, ``validation``; what ``run_train`` returned (the console's losses
+    and output), ``run``."""
     import json
 
     files = {name: os.path.join(folder, f"{name}.jsonl") for name in ("steps", "validation")}
@@ -190,6 +192,7 @@ def _train(config, folder: str, ngpu: int, *overrides: str) -> dict[str, dict]:
         out[name] = {r.pop("step"): r for r in records}
     for step, record in out["steps"].items():
         out["events"][step] = record.pop("events", None)
+    out["run"] = run
     return out
 
 
@@ -221,23 +224,30 @@ def _keys(folder: str, step: int) -> set[str]:
     return {k for k in meta.state_dict_metadata if not k.startswith("rng.")}
 
 
+def train_colocated(tmp_path_factory) -> tuple[str, dict]:
+    """The colocated reference (2 processes, 3 steps with a checkpoint per step): its dump
+    folder and :func:`_train`'s records. The session fixture ``colocated_run``
+    (``tests/distributed/conftest.py``) calls it once for this module and the balanced
+    encoders' launcher test of ``test_encoder_balance.py``."""
+    folder = str(tmp_path_factory.mktemp("colocated"))
+    return folder, _train(DEBUG, folder, 2)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[str, dict]]:
+def runs(tmp_path_factory, colocated_run) -> dict[str, tuple[str, dict]]:
     """colocated (2 processes), non-colocated synchronous (rank 0 of 3), each 3 steps with a
     checkpoint per step; then the colocated step-1 checkpoint resumed on ranks 0-1 of 4 with
     the pipelined schedule, and the non-colocated step-2 one resumed colocated."""
-    out = {}
-    debug = str(REPO / "train_configs" / "llama_omni_debug.toml")
-    for name, config, ngpu in (("colocated", debug, 2), ("noncolocated", NONCOLOCATED, 3)):
-        folder = str(tmp_path_factory.mktemp(name))
-        out[name] = (folder, _train(config, folder, ngpu))
+    out = {"colocated": colocated_run}  # shared with test_encoder_balance.py
+    folder = str(tmp_path_factory.mktemp("noncolocated"))
+    out["noncolocated"] = (folder, _train(NONCOLOCATED, folder, 3))
     two = tmp_path_factory.mktemp("pipelined")
     (two / "job.toml").write_text(DEBUG_TOML + _ranks_toml("[0, 1]", "[0, 1]"))
     _resumed(out["colocated"][0], str(two), keep=1)
     out["pipelined"] = (str(two), _train(two / "job.toml", str(two), 4, *PIPELINED))
     back = str(tmp_path_factory.mktemp("back_to_colocated"))
     _resumed(out["noncolocated"][0], back, keep=2)
-    out["back"] = (back, _train(debug, back, 2))
+    out["back"] = (back, _train(DEBUG, back, 2))
     return out
 
 
