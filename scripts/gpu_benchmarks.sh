@@ -8,9 +8,10 @@
 #
 # Each argument is "attention" (scripts/bench_attention.py) or a bench_scaling.py plan, with
 # ":no-compile" or ":compile-only" to split a plan over calls, or "=point,point" to run only
-# those points (in the plan's order), e.g. moe_4gpu=moe_30B-A3B_12L_8k_ep4_text_exact. Tables and
-# JSON go to $OUT (or bench_out/), the training logs into one archive there, the summaries of
-# profiled steps (scripts/summarize_trace.py) into traces.txt; the tables are printed last.
+# those points (in the plan's order), e.g. moe_4gpu=moe_30B-A3B_12L_8k_ep4_text_exact. Tables go
+# to $OUT (or bench_out/), the training logs and the tables' JSON rows into one archive there
+# (a device call brings back at most 8 files), the summaries of profiled steps
+# (scripts/summarize_trace.py) into traces.txt; the tables are printed last.
 #
 # EXTRA="<arguments>" appends trainer arguments to every point (bench_scaling.py --extra), e.g.
 # EXTRA="--profiling.enable_profiling --profiling.profile_freq 20" with a 30-step point profiles
@@ -72,6 +73,8 @@ for arg in "$@"; do
       --deadline "$left" > "$logs/baseline_$name.runner.log" 2>&1)
   fi
 done
+# the JSON rows travel in the archive: a device call brings back at most 8 files
+for rows in "$out"/*.json; do [ -f "$rows" ] && mv "$rows" "$logs/"; done
 tar -czf "$out/logs.tar.gz" -C "$logs" . 2>/dev/null
 for trace in outputs/bench_*/profile_traces/*/rank0_trace.json; do
   [ -f "$trace" ] && python3 scripts/summarize_trace.py --top 15 "$trace" >> "$out/traces.txt"
