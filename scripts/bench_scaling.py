@@ -286,7 +286,8 @@ def omni_2gpu() -> list[Point]:
 
 
 def llama_4gpu() -> list[Point]:
-    """LLaMA#Omni 8B, FSDP + Ulysses on 4 GPUs: realistic rows first, toy rows second."""
+    """LLaMA#Omni 8B, FSDP + Ulysses on 4 GPUs: realistic rows first, toy rows second; long
+    text and toy rows logging every 10 steps (the toy rows also with the encoders replicated)."""
     return [
         Point("stock_llama3_8B_8k_fsdp4", "8B", 4, 8192, SEL, steps=12, stock=True, estimate_s=70),
         Point("omni_8B_8k_sp1_realistic", LLAMA8B, 4, 8192, SEL, steps=12, workload="realistic",
@@ -336,7 +337,8 @@ def moe_4gpu() -> list[Point]:
     dispatcher compiled on text, toy and realistic rows; the media
     path's encoders replicated, with each block an FSDP unit (``encoder_fsdp_unit = "block"``)
     or not checkpointed, on toy and realistic rows; EP4 with Ulysses SP2 at 32K and SP4 at 64K; EP2
-    (experts over 2 ranks, FSDP over 4) at 8K.
+    (experts over 2 ranks, FSDP over 4) at 8K; last long text and toy rows logging every 10
+    steps with the NCCL and the NVSHMEM exchange, and the toy rows with the encoders replicated.
     The first point also profiles its last step (host syncs per layer, where the time goes)."""
     cut = _layers(12) + FULL
     best = _cap(1.25)
