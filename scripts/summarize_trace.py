@@ -146,9 +146,10 @@ def host_syncs(events: list[dict], start: float, stop: float) -> list[str]:
     return out
 
 
-#: device memory calls of the caching allocator (cudaFree waits for the device)
+#: memory calls of the caching allocators: device (cudaFree waits for the device) and pinned
+#: host memory (cudaHostAlloc page-locks, cudaFreeHost waits for the device)
 MEMORY_CALL = re.compile(r"^(cudaFree|cudaMalloc|cuMemUnmap|cuMemMap|cuMemCreate|cuMemRelease|"
-                         r"cuMemAddressFree)")
+                         r"cuMemAddressFree|cudaHostAlloc|cudaFreeHost|cudaHostRegister)")
 #: FSDP2's profiler ranges that open a unit's work: "FSDP::pre_forward (llm.layers.3)"
 FSDP_MARK = re.compile(r"^FSDP::(pre_forward|pre_backward) \(([^)]*)\)")
 OPTIMIZER = "Optimizer.step#"
