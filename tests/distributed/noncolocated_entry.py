@@ -14,6 +14,7 @@ import torch
 
 import torchtitan_omni  # noqa: F401  (device selection first)
 from tests.checkpoint.train_entry import run
+from torchtitan_omni.distributed.boundary import balance_metrics
 from torchtitan_omni.train import OmniTrainer
 
 
@@ -51,7 +52,10 @@ class StepRecordingTrainer(OmniTrainer):
         super().train_step(data_iterator)
         if self.last_losses:
             grad_norm = self.metrics_processor.last_metrics["grad_norm"]
-            record = {"step": self.step, "grad_norm": grad_norm, **self.last_losses}
+            # the balanced encoders' imbalance before and after (their last pass of the step)
+            balance = balance_metrics(getattr(self.model_parts[0], "encoders", {}))
+            record = {"step": self.step, "grad_norm": grad_norm, **self.last_losses,
+                      **({"balance": balance} if balance else {})}
             if self.encoder_server is not None:
                 record["events"] = list(self.encoder_server.events)
             _append("OMNI_STEP_FILE", record)

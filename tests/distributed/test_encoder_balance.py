@@ -2,7 +2,7 @@
 ``torchtitan_omni.distributed.boundary``): the assignment, the boundary communicator's
 forward and adjoint in float64 on 2 and 3 gloo ranks, the tiny omni model's losses and
 gradients against the single-process reference, and run_train.sh's losses against the
-default layout."""
+default layout over steps where balancing moves items."""
 
 from __future__ import annotations
 
@@ -213,25 +213,32 @@ def test_tiny_model_dp2_sp2_matches_reference():
 
 
 # ----------------------------------------------------------------- run_train.sh
-@pytest.mark.slow
-def test_llama_omni_balance_losses_match_default(colocated_run, tmp_path):
-    """Balanced encoders through the launcher on 2 processes: every step's losses (the
-    console's) within 1e-5 of the replicated encoders' (the default), and the validation
-    metrics too. The replicated run is the colocated reference of
-    ``test_noncolocated_trainer.py`` (session fixture ``colocated_run``): 3 steps of two
-    micro-batches, validation after step 2, a checkpoint per step; the balanced run has the
-    same settings (``_train`` there)."""
-    from tests.distributed.test_noncolocated_trainer import DEBUG, STEPS, _close, _train
+#: 4 steps of two micro-batches on each of 2 ranks: at step 4 the audio clips of the two
+#: ranks differ enough that balancing moves some (step 4's imbalance 1.96 -> 1.19)
+BALANCE_RUN = ("--training.steps", "4", "--lr_scheduler.warmup_steps", "1",
+               "--debug.deterministic", "--debug.seed", "42", "--training.local_batch_size", "1",
+               "--training.global_batch_size", "4")
 
-    balanced = _train(DEBUG, str(tmp_path), 2, "--parallelism.encoder_sequence_parallel",
-                      "balance")
-    runs = {"replicate": colocated_run[1]["run"], "balance": balanced["run"]}
-    for run in runs.values():
-        assert sorted(run.losses) == list(range(1, STEPS + 1)), run.output[-3000:]
-    assert "Encoders balance media items over 2 ranks" in runs["balance"].output
-    for step in range(1, STEPS + 1):
-        base, bal = runs["replicate"], runs["balance"]
-        assert abs(bal.losses[step] - base.losses[step]) <= 1e-5, (step, base.losses, bal.losses)
-        for name, value in base.named[step].items():
-            assert abs(bal.named[step][name] - value) <= 1e-5, (step, name, base.named, bal.named)
-    assert not _close(balanced["validation"], colocated_run[1]["validation"], [2])
+
+@pytest.mark.slow
+def test_llama_omni_balance_losses_match_default(tmp_path):
+    """Balanced encoders through the launcher on 2 processes against the replicated ones (the
+    default): items do move (some step's imbalance after balancing is below the one before),
+    and every step's named losses and gradient norm stay within 1e-5."""
+    from tests.distributed.test_noncolocated_trainer import DEBUG, _train
+
+    runs = {layout: _train(DEBUG, str(tmp_path / layout), 2,
+                           "--parallelism.encoder_sequence_parallel", layout, common=BALANCE_RUN)
+            for layout in ("replicate", "balance")}
+    base, bal = runs["replicate"]["steps"], runs["balance"]["steps"]
+    assert sorted(base) == sorted(bal) == [1, 2, 3, 4], (base, bal)
+    assert "Encoders balance media items over 2 ranks" in runs["balance"]["run"].output
+    moved = [(step, name) for step, record in bal.items()
+             for name, before in record.get("balance", {}).items()
+             if name.endswith("_before")
+             and record["balance"][name.replace("_before", "_after")] < before - 1e-6]
+    assert moved, {step: record.get("balance") for step, record in bal.items()}
+    assert all("balance" not in record for record in base.values())
+    for step, record in base.items():
+        for name, value in record.items():
+            assert abs(bal[step][name] - value) <= 1e-5, (step, name, base, bal)

@@ -170,15 +170,17 @@ SYNC_ORDER = ["encode 0", "gradients 0", "encode 1", "gradients 1"]
 PIPELINED_ORDER = ["encode 0", "encode 1", "gradients 0", "gradients 1"]
 
 
-def _train(config, folder: str, ngpu: int, *overrides: str) -> dict[str, dict]:
-    """Every step's named losses and gradient norm at full precision (global rank 0),
-    ``steps``; the encoder server's order per step (an encoder rank 0), ``events``; every
-    validation's metrics, ``validation``; what ``run_train`` returned (the console's losses
-    and output), ``run``."""
+def _train(config, folder: str, ngpu: int, *overrides: str,
+           common: tuple[str, ...] = COMMON) -> dict[str, dict]:
+    """Every step's named losses and gradient norm at full precision (global rank 0), and the
+    balanced encoders' imbalance (``balance``), ``steps``; the encoder server's order per step
+    (an encoder rank 0), ``events``; every validation's metrics, ``validation``; what
+    ``run_train`` returned (the console's losses and output), ``run``. ``common``: the
+    arguments before ``overrides`` (this module's settings by default)."""
     import json
 
     files = {name: os.path.join(folder, f"{name}.jsonl") for name in ("steps", "validation")}
-    run = run_train(config, ngpu, "--job.dump_folder", folder, *COMMON, *overrides,
+    run = run_train(config, ngpu, "--job.dump_folder", folder, *common, *overrides,
                     env={"TRAIN_FILE": "tests.distributed.noncolocated_entry",
                          "OMNI_STEP_FILE": files["steps"],
                          "OMNI_VALIDATION_FILE": files["validation"]})
@@ -224,21 +226,13 @@ def _keys(folder: str, step: int) -> set[str]:
     return {k for k in meta.state_dict_metadata if not k.startswith("rng.")}
 
 
-def train_colocated(tmp_path_factory) -> tuple[str, dict]:
-    """The colocated reference (2 processes, 3 steps with a checkpoint per step): its dump
-    folder and :func:`_train`'s records. The session fixture ``colocated_run``
-    (``tests/distributed/conftest.py``) calls it once for this module and the balanced
-    encoders' launcher test of ``test_encoder_balance.py``."""
-    folder = str(tmp_path_factory.mktemp("colocated"))
-    return folder, _train(DEBUG, folder, 2)
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, colocated_run) -> dict[str, tuple[str, dict]]:
+def runs(tmp_path_factory) -> dict[str, tuple[str, dict]]:
     """colocated (2 processes), non-colocated synchronous (rank 0 of 3), each 3 steps with a
     checkpoint per step; then the colocated step-1 checkpoint resumed on ranks 0-1 of 4 with
     the pipelined schedule, and the non-colocated step-2 one resumed colocated."""
-    out = {"colocated": colocated_run}  # shared with test_encoder_balance.py
+    colocated = str(tmp_path_factory.mktemp("colocated"))
+    out = {"colocated": (colocated, _train(DEBUG, colocated, 2))}
     folder = str(tmp_path_factory.mktemp("noncolocated"))
     out["noncolocated"] = (folder, _train(NONCOLOCATED, folder, 3))
     two = tmp_path_factory.mktemp("pipelined")
