@@ -31,6 +31,11 @@ KINDS = (
 )
 
 
+#: trace categories of host work (torch ops, Python, profiler ranges) and of CUDA API calls
+HOST_CATS = ("cpu_op", "python_function", "user_annotation")
+CUDA_API = ("cuda_runtime", "cuda_driver")
+
+
 def kind(name: str) -> str:
     for label, pattern in KINDS:
         if pattern.search(name):
@@ -99,7 +104,7 @@ def idle_gaps(
     host = [
         e
         for e in events
-        if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation")
+        if e.get("cat") in HOST_CATS + ("cuda_runtime",)
         and "dur" in e
     ]
     # Idle time outside these gaps is spread over short ones: kernels shorter than the host
@@ -137,7 +142,7 @@ def host_syncs(events: list[dict], start: float, stop: float) -> list[str]:
     # segments) waits for the whole device, a host sync no Synchronize call shows
     memory: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in events:
-        if (e.get("cat") in ("cuda_runtime", "cuda_driver") and MEMORY_CALL.search(e["name"])
+        if (e.get("cat") in CUDA_API and MEMORY_CALL.search(e["name"])
                 and start <= e["ts"] <= stop):
             memory[e["name"]][0] += 1
             memory[e["name"]][1] += e.get("dur", 0.0)
@@ -175,7 +180,7 @@ def _phase_marks(events: list[dict]) -> dict:
     raw: dict = defaultdict(list)
     for e in events:
         name, tid = str(e.get("name", "")), e.get("tid")
-        if e.get("cat") not in ("user_annotation", "cpu_op", "python_function"):
+        if e.get("cat") not in HOST_CATS:
             continue
         if name.startswith(OPTIMIZER) and "dur" in e:
             raw[tid] += [(e["ts"], ("optimizer", "step")), (e["ts"] + e["dur"], None)]
@@ -210,7 +215,7 @@ def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
     starts = {tid: [at for at, _ in m] for tid, m in marks.items()}
     # runtime launches, and driver launches (Triton's kernels, compiled code)
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                if e.get("cat") in CUDA_API
                 and "correlation" in e.get("args", {})}
 
     def phase(kernel: dict) -> tuple[str, str]:
@@ -251,7 +256,6 @@ def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
 
 #: the host calls that queue GPU work (kernels, copies, memsets)
 LAUNCH = re.compile(r"LaunchKernel|Memcpy|Memset", re.I)
-HOST_CATS = ("cpu_op", "python_function", "user_annotation")
 
 
 def _top_level(ops: list[dict]) -> list[dict]:
@@ -281,9 +285,9 @@ def host_by_part(events: list[dict], top: int = 6) -> list[str]:
     for e in events:
         if "dur" not in e or "tid" not in e:
             continue
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and LAUNCH.search(str(e["name"])):
+        if e.get("cat") in CUDA_API and LAUNCH.search(str(e["name"])):
             launches[e["tid"]].append(e["ts"])
-        if e.get("cat") in HOST_CATS + ("cuda_runtime", "cuda_driver"):
+        if e.get("cat") in HOST_CATS + CUDA_API:
             ends[e["tid"]] = max(ends[e["tid"]], e["ts"] + e["dur"])
         if e.get("cat") == "cpu_op":
             ops[e["tid"]].append(e)
