@@ -5,11 +5,14 @@ import dataclasses
 import importlib
 import json
 import os
+import subprocess
+import sys
 import tomllib
 
 import pytest
+import torch
 
-from tests.harness import load_script as _script
+from tests.harness import REPO, load_script as _script
 
 
 OMNI_LINE = (
@@ -391,3 +394,15 @@ def test_long_text_rows_with_media_are_refused_before_any_point_runs(tmp_path, m
     manifest["media_share"] = 0.0
     (folder / "manifest.json").write_text(json.dumps(manifest))
     assert bench.prepare_data([point])[0] == []  # built already, nothing to build
+
+
+def test_launch_queue_probe_finds_the_first_blocked_launch_and_needs_a_gpu():
+    probe = _script("probe_launch_queue")
+    fast, slow = 5e-6, 1e-3
+    assert probe.launches_before_blocking([fast] * 1021 + [slow, fast, slow], 2e-4) == 1021
+    assert probe.launches_before_blocking([fast] * 50, 2e-4) is None
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, "scripts/probe_launch_queue.py"], cwd=REPO,
+                             capture_output=True, text=True)
+        assert run.returncode == 1
+        assert run.stderr.strip() == "probe_launch_queue: needs a CUDA GPU (none is visible)"

@@ -118,6 +118,9 @@ class OmniTrainer(Trainer):
         if self.encoder_server is None:
             self.flop_counter = FlopCounter(self.model_parts[0])
         logger.info(output_locations(job_config))
+        if not is_cpu():  # run_train.sh's default; torchrun without it gets the driver's
+            queues = os.environ.get("CUDA_SCALE_LAUNCH_QUEUES") or "the driver's default"
+            logger.info(f"CUDA kernel launch queues: {queues} (CUDA_SCALE_LAUNCH_QUEUES)")
         #: routing counts since the last log step, on the device
         self.moe_counter = MoECounter()
 
