@@ -256,6 +256,9 @@ def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
 
 #: the host calls that queue GPU work (kernels, copies, memsets)
 LAUNCH = re.compile(r"LaunchKernel|Memcpy|Memset", re.I)
+#: a launch call longer than this waited for a slot in the GPU's full launch queue (a launch
+#: takes a few microseconds, under the profiler tens; docs/performance.md, "Launch queues")
+BLOCKED_LAUNCH_US = 100.0
 
 
 def _top_level(ops: list[dict]) -> list[dict]:
@@ -280,6 +283,7 @@ def host_by_part(events: list[dict], top: int = 6) -> list[str]:
     if not marks:
         return []
     launches: dict = defaultdict(list)
+    blocked: dict = defaultdict(list)
     ends: dict = defaultdict(float)
     ops: dict = defaultdict(list)
     for e in events:
@@ -287,6 +291,8 @@ def host_by_part(events: list[dict], top: int = 6) -> list[str]:
             continue
         if e.get("cat") in CUDA_API and LAUNCH.search(str(e["name"])):
             launches[e["tid"]].append(e["ts"])
+            if e["dur"] > BLOCKED_LAUNCH_US:
+                blocked[e["tid"]].append((e["ts"], e["dur"]))
         if e.get("cat") in HOST_CATS + CUDA_API:
             ends[e["tid"]] = max(ends[e["tid"]], e["ts"] + e["dur"])
         if e.get("cat") == "cpu_op":
@@ -295,27 +301,35 @@ def host_by_part(events: list[dict], top: int = 6) -> list[str]:
     by_op: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     for tid, seq in marks.items():
         times = sorted(launches.get(tid, []))
+        waits = sorted(blocked.get(tid, []))
+        wait_starts = [ts for ts, _ in waits]
         top_ops = _top_level(ops.get(tid, []))
         op_starts = [e["ts"] for e in top_ops]
         bounds = [at for at, _ in seq] + [ends[tid]]
         for (at, phase), stop in zip(seq, bounds[1:]):
             if phase is None or stop <= at:
                 continue
-            row = rows.setdefault(phase, [0.0, 0, 0.0])
+            row = rows.setdefault(phase, [0.0, 0, 0.0, 0, 0.0])
             row[0] += stop - at
             row[1] += bisect.bisect_left(times, stop) - bisect.bisect_left(times, at)
+            for _, dur in waits[bisect.bisect_left(wait_starts, at):
+                                bisect.bisect_left(wait_starts, stop)]:
+                row[3] += 1
+                row[4] += dur
             for e in top_ops[bisect.bisect_left(op_starts, at):bisect.bisect_left(op_starts, stop)]:
                 row[2] += min(e["ts"] + e["dur"], stop) - e["ts"]
                 by_op[phase][str(e["name"])][0] += e["dur"]
                 by_op[phase][str(e["name"])][1] += 1
     out = ["  host by part (time each host thread spent in the part, inside torch ops and "
-           "outside them, the GPU work it queued):",
+           "outside them, the GPU work it queued; blocked: launch calls over "
+           f"{BLOCKED_LAUNCH_US:.0f} us, which waited for room in a full launch queue):",
            f"  {'part':24s} {'pass':9s} {'host':>10s} {'in ops':>10s} {'outside':>10s} "
-           f"{'launches':>9s} {'per launch':>11s}"]
-    for (part, pass_), (host_us, n, in_ops) in rows.items():
+           f"{'launches':>9s} {'per launch':>11s} {'blocked':>8s} {'waiting':>10s}"]
+    for (part, pass_), (host_us, n, in_ops, n_blocked, waited) in rows.items():
         per = f"{host_us / n:8.1f} us" if n else "         -"
         out.append(f"  {part:24s} {pass_:9s} {host_us / 1e3:7.1f} ms {in_ops / 1e3:7.1f} ms "
-                   f"{(host_us - in_ops) / 1e3:7.1f} ms {n:9d} {per:>11s}")
+                   f"{(host_us - in_ops) / 1e3:7.1f} ms {n:9d} {per:>11s} {n_blocked:8d} "
+                   f"{waited / 1e3:7.1f} ms")
     for (part, pass_), names in by_op.items():
         if part.startswith("encoders.") and pass_ == "forward":
             out.append(f"  {part} forward, longest top-level ops (total, count):")

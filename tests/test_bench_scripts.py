@@ -176,16 +176,18 @@ def test_trace_summary_splits_host_time_into_ops_and_outside():
         ev("FSDP::pre_forward (encoders.vision)", 0, 10, "user_annotation"),
         ev("aten::linear", 1000, 3000), ev("aten::addmm", 1500, 2000),  # nested: not twice
         ev("aten::add", 5000, 1000),
-        *[ev("cudaLaunchKernel", t, 5, "cuda_runtime", correlation=i)
-          for i, t in enumerate((1600, 5100, 5200))],
+        *[ev("cudaLaunchKernel", t, d, "cuda_runtime", correlation=i)
+          for i, (t, d) in enumerate(((1600, 5), (5100, 300), (5400, 5)))],
         ev("FSDP::pre_forward (llm.layers.0)", 10000, 10, "user_annotation"),
         ev("aten::mm", 10500, 500),
     ]
     text = "\n".join(trace.host_by_part(events))
     row = next(line.split() for line in text.splitlines()
                if line.split()[:2] == ["encoders.vision", "forward"])
-    # 10 ms in the part: 4 ms inside top-level ops (3 + 1), 6 ms outside; 3 launches
-    assert row[2:] == ["10.0", "ms", "4.0", "ms", "6.0", "ms", "3", "3333.3", "us"], row
+    # 10 ms in the part: 4 ms inside top-level ops (3 + 1), 6 ms outside; 3 launches, one of
+    # which waited 0.3 ms for room in the launch queue
+    assert row[2:] == ["10.0", "ms", "4.0", "ms", "6.0", "ms", "3", "3333.3", "us",
+                       "1", "0.3", "ms"], row
 
 
 def test_ratios_pair_each_variant_with_its_own_baseline():
