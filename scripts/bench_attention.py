@@ -5,7 +5,10 @@ layouts training produces, it times forward + backward of every candidate torch 
 checks each against a float32 per-document reference:
 
 - ``varlen_fa2``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2, one launch for
-  all documents) — what ``torchtitan_omni.modules.attention`` used until this measurement;
+  all documents) — what ``torchtitan_omni.modules.attention`` runs for packed documents;
+- ``varlen_aten``: the same kernels through ``aten._flash_attention_forward`` / ``_backward``
+  in a plain autograd function, without ``varlen_attn``'s custom-op layers (its host cost per
+  call is what the launch-bound encoders pay 32 times a pass: the "host ms" column);
 - ``sdpa_cudnn`` / ``sdpa_flash`` / ``sdpa_efficient``: ``scaled_dot_product_attention`` over
   whole rows with one backend (exact only when a row is one document, or for equal-length
   items batched together);
@@ -16,9 +19,9 @@ checks each against a float32 per-document reference:
 
     python3 scripts/bench_attention.py --out attention.json
 
-Prints a table (median ms of forward + backward, TFLOP/s of the useful attention work, max
-relative error) and writes JSON. Needs CUDA; on CPU it only checks its own plumbing
-(``--smoke``).
+Prints a table (median ms of forward + backward on the GPU, median host ms to issue them,
+TFLOP/s of the useful attention work, max relative error) and writes JSON. Needs CUDA; on CPU
+it only checks its own plumbing (``--smoke``).
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ def layouts(smoke: bool) -> list[dict]:
                                                  for _ in range(8)], **vis),
         # video: 16 temporal patches of a 448 px clip (1,024 patches each)
         dict(name="vision video 16 x 1024", docs=[1024] * 16, **vis),
+        # the toy rows' calls: 56 px images and clip frames of 16 patches (host-bound)
+        dict(name="vision toy 9 x 16", docs=[16] * 9, **vis),
     ]
 
 
@@ -128,6 +133,37 @@ def make_candidates(case: dict) -> dict[str, Attn]:
             )
 
     out["varlen_fa2"] = varlen
+
+    class _FlashVarlen(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            cu = _cu(docs, q.device)
+            ctx.n_rep = hq // k.shape[1]
+            k, v = _expand(k, hq), _expand(v, hq)
+            window = (-1, 0) if causal else (-1, -1)
+            # a benchmark candidate: the kernels varlen_attn calls, without its custom ops
+            o, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(  # noqa: SLF001
+                q, k, v, cu, cu, max(docs), max(docs), 0.0, causal, False,
+                window_size_left=window[0], window_size_right=window[1])
+            ctx.save_for_backward(q, k, v, o, lse, rng, unused, cu)
+            ctx.window = window
+            return o
+
+        @staticmethod
+        def backward(ctx, g):
+            q, k, v, o, lse, rng, unused, cu = ctx.saved_tensors
+            dq, dk, dv = torch.ops.aten._flash_attention_backward(  # noqa: SLF001
+                g.contiguous(), q, k, v, o, lse, cu, cu, max(docs), max(docs), 0.0, causal, rng,
+                unused, window_size_left=ctx.window[0], window_size_right=ctx.window[1])
+            if ctx.n_rep > 1:  # the expanded kv heads' gradients sum onto their source head
+                dk = dk.unflatten(1, (-1, ctx.n_rep)).sum(2)
+                dv = dv.unflatten(1, (-1, ctx.n_rep)).sum(2)
+            return dq, dk, dv
+
+    def varlen_aten(q, k, v):
+        return _FlashVarlen.apply(q, k, v)
+
+    out["varlen_aten"] = varlen_aten
 
     def sdpa_rows(backend):
         def run(q, k, v):
@@ -241,26 +277,30 @@ def _compiled_flex():
 
 
 # ----------------------------------------------------------------- timing
-def time_fwd_bwd(fn: Attn, q, k, v, iters: int, warmup: int) -> float:
-    """Median milliseconds of forward + backward."""
+def time_fwd_bwd(fn: Attn, q, k, v, iters: int, warmup: int) -> tuple[float, float]:
+    """Median milliseconds of forward + backward: on the device, and on the host to issue them
+    (from the call to ``backward()``'s return, before waiting for the device)."""
     grad = torch.randn_like(q)
-    times = []
+    times, host = [], []
     for i in range(warmup + iters):
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         if q.is_cuda:
+            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
         fn(qq, kk, vv).backward(grad)
+        issued = (time.perf_counter() - t0) * 1e3
         if q.is_cuda:
             end.record()
             torch.cuda.synchronize()
             ms = start.elapsed_time(end)
         else:
-            ms = (time.perf_counter() - t0) * 1e3
+            ms = issued
         if i >= warmup:
             times.append(ms)
-    return statistics.median(times)
+            host.append(issued)
+    return statistics.median(times), statistics.median(host)
 
 
 def _grads(fn: Attn, q, k, v, real: int, grad: torch.Tensor) -> list[torch.Tensor]:
@@ -295,7 +335,7 @@ def run_case(case: dict, device: str, dtype, iters: int, warmup: int) -> list[di
             row["rel_err"] = float((out - ref).norm() / ref.norm())
             got = _grads(fn, q, k, v, real, grad)
             row["grad_err"] = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref_grads))
-            row["ms"] = time_fwd_bwd(fn, q, k, v, iters, warmup)
+            row["ms"], row["host_ms"] = time_fwd_bwd(fn, q, k, v, iters, warmup)
             row["tflops"] = flops / row["ms"] / 1e9
         except Exception as e:  # noqa: BLE001  (a kernel that cannot run this case is reported)
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"
@@ -321,14 +361,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-    print("\n| case | kernel | ms (fwd+bwd) | TFLOP/s | rel. error out / grad |\n"
-          "| --- | --- | --- | --- | --- |")
+    print("\n| case | kernel | ms (fwd+bwd) | host ms | TFLOP/s | rel. error out / grad |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "error" in r:
-            print(f"| {r['case']} | {r['kernel']} | - | - | {r['error']} |")
+            print(f"| {r['case']} | {r['kernel']} | - | - | - | {r['error']} |")
         else:
-            print(f"| {r['case']} | {r['kernel']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
-                  f"{r['rel_err']:.1e} / {r['grad_err']:.1e} |")
+            print(f"| {r['case']} | {r['kernel']} | {r['ms']:.2f} | {r['host_ms']:.2f} | "
+                  f"{r['tflops']:.0f} | {r['rel_err']:.1e} / {r['grad_err']:.1e} |")
     return rows
 
 

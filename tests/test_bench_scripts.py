@@ -408,3 +408,17 @@ def test_launch_queue_probe_finds_the_first_blocked_launch_and_needs_a_gpu():
                              capture_output=True, text=True)
         assert run.returncode == 1
         assert run.stderr.strip() == "probe_launch_queue: needs a CUDA GPU (none is visible)"
+
+
+def test_attention_benchmark_smoke_times_device_and_host_and_checks_against_reference():
+    bench = _script("bench_attention")
+    rows = bench.main(["--smoke", "--iters", "2", "--warmup", "1"])
+    ran = [r for r in rows if "error" not in r]
+    # on CPU the whole-row and grouped SDPA candidates run; the CUDA-only ones report why not
+    assert {(r["case"], r["kernel"]) for r in ran} >= {("llm single doc", "sdpa_flash"),
+                                                      ("vision items", "sdpa_grouped")}
+    for r in ran:
+        assert r["rel_err"] < 1e-5 and r["grad_err"] < 1e-5, r
+        assert r["ms"] > 0 and r["host_ms"] > 0, r
+    kernels = {r["kernel"] for r in rows}
+    assert {"varlen_fa2", "varlen_aten"} <= kernels
