@@ -834,12 +834,23 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def launch_queues(environ: dict | None = None) -> str:
+    """The CUDA driver's launch-queue setting each kind of point runs with: omni points get
+    ``run_train.sh``'s default (4x) unless the caller set one, stock points (plain ``torchrun``)
+    the caller's or the driver's."""
+    value = (os.environ if environ is None else environ).get("CUDA_SCALE_LAUNCH_QUEUES")
+    if value:  # run_train.sh, like this, takes an empty value for unset
+        return f"CUDA_SCALE_LAUNCH_QUEUES={value} for every point"
+    return ("CUDA_SCALE_LAUNCH_QUEUES=4x for omni points (run_train.sh), the driver's default "
+            "for stock points")
+
+
 def device_name() -> str:
     import torch
 
     if torch.cuda.is_available():
         return (f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}, "
-                f"torch {torch.__version__}")
+                f"torch {torch.__version__}, {launch_queues()}")
     return f"CPU (gloo), torch {torch.__version__}"
 
 

@@ -422,3 +422,12 @@ def test_attention_benchmark_smoke_times_device_and_host_and_checks_against_refe
         assert r["ms"] > 0 and r["host_ms"] > 0, r
     kernels = {r["kernel"] for r in rows}
     assert {"varlen_fa2", "varlen_aten"} <= kernels
+
+
+def test_tables_state_the_launch_queues_each_kind_of_point_ran_with():
+    bench = _script("bench_scaling")
+    assert bench.launch_queues({}) == ("CUDA_SCALE_LAUNCH_QUEUES=4x for omni points "
+                                       "(run_train.sh), the driver's default for stock points")
+    assert bench.launch_queues({"CUDA_SCALE_LAUNCH_QUEUES": "2x"}) == (
+        "CUDA_SCALE_LAUNCH_QUEUES=2x for every point")
+    assert bench.launch_queues({"CUDA_SCALE_LAUNCH_QUEUES": ""}) == bench.launch_queues({})
