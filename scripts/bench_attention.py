@@ -94,6 +94,12 @@ def _expand(k: torch.Tensor, hq: int) -> torch.Tensor:
     return k.repeat_interleave(hq // k.shape[1], dim=1) if k.shape[1] != hq else k
 
 
+def _fold_kv_grad(g: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """The gradient of kv heads that ``_expand`` repeated ``n_rep`` times, summed onto each
+    source head."""
+    return g if n_rep == 1 else g.unflatten(1, (-1, n_rep)).sum(2)
+
+
 def reference(q, k, v, docs, causal) -> torch.Tensor:
     """Per-document float32 attention: the ground truth. Memory-efficient float32 kernel where
     it runs (the math kernel's score matrix of a 32K document is over 100 GiB), else math."""
@@ -155,10 +161,7 @@ def make_candidates(case: dict) -> dict[str, Attn]:
             dq, dk, dv = torch.ops.aten._flash_attention_backward(  # noqa: SLF001
                 g.contiguous(), q, k, v, o, lse, cu, cu, max(docs), max(docs), 0.0, causal, rng,
                 unused, window_size_left=ctx.window[0], window_size_right=ctx.window[1])
-            if ctx.n_rep > 1:  # the expanded kv heads' gradients sum onto their source head
-                dk = dk.unflatten(1, (-1, ctx.n_rep)).sum(2)
-                dv = dv.unflatten(1, (-1, ctx.n_rep)).sum(2)
-            return dq, dk, dv
+            return dq, _fold_kv_grad(dk, ctx.n_rep), _fold_kv_grad(dv, ctx.n_rep)
 
     def varlen_aten(q, k, v):
         return _FlashVarlen.apply(q, k, v)
@@ -234,10 +237,7 @@ def make_candidates(case: dict) -> dict[str, Attn]:
             dq, dk, dv = torch.ops.aten._cudnn_attention_backward(  # noqa: SLF001
                 g.contiguous(), q, k, v, o, lse, seed, offset, torch.empty(0, device=q.device),
                 cu, cu, max(docs), max(docs), 0.0, causal)
-            if ctx.n_rep > 1:  # the expanded kv heads' gradients sum onto their source head
-                dk = dk.unflatten(1, (-1, ctx.n_rep)).sum(2)
-                dv = dv.unflatten(1, (-1, ctx.n_rep)).sum(2)
-            return dq, dk, dv
+            return dq, _fold_kv_grad(dk, ctx.n_rep), _fold_kv_grad(dv, ctx.n_rep)
 
     def ragged(q, k, v):
         return _Ragged.apply(q, k, v)
