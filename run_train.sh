@@ -21,8 +21,8 @@ Launcher variables:
                           (torchrun's --log-dir: <LOG_DIR>/<run id>/attempt_0/<rank>/); default none
   TRAIN_FILE              entry module; default torchtitan_omni.train
   TORCHTITAN_OMNI_DEVICE  auto | cuda | cpu; default auto (CUDA when a GPU is visible)
-  CUDA_SCALE_LAUNCH_QUEUES  the CUDA driver's kernel launch queues: 0.25x | 0.5x | 2x | 4x;
-                          default 4x (the host runs further ahead of the GPU)
+  CUDA_SCALE_LAUNCH_QUEUES  the CUDA driver's kernel launch queue size, a multiple such as
+                          2x; default 4x (the host can run further ahead of the GPU)
 Outputs go under job.dump_folder: the log on the console, TensorBoard events in
 <dump_folder>/<metrics.save_tb_folder>, checkpoints in <dump_folder>/<checkpoint.folder>.
 Every key of the config (with its value under CONFIG_FILE) follows.
@@ -54,12 +54,12 @@ if [ -n "${LOG_DIR:-}" ]; then
   LOG_DIR_ARGS=(--log-dir "${LOG_DIR}")
 fi
 
-# CUDA_SCALE_LAUNCH_QUEUES=4x: the driver queues up to ~4,100 kernel launches per stream instead
+# CUDA_SCALE_LAUNCH_QUEUES=4x: the driver queues up to ~4,100 kernel launches on a stream instead
 # of ~1,000 before a launch blocks the host (measured on H100, driver 580). The LLM's backward fills the default queue, so the
 # host could not get ahead of the GPU by more than ~1,000 launches; the encoders' small kernels
 # after it (their backward, the optimizer, the next step's encoder forward) then ran at the
 # host's launch pace with the GPU idle (docs/performance.md, eighth session). A value of your
-# own (the driver takes 0.25x, 0.5x, 2x, 4x) is kept.
+# own is kept (the CUDA programming guide's environment variables list it).
 PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-"expandable_segments:True"} \
 CUDA_SCALE_LAUNCH_QUEUES=${CUDA_SCALE_LAUNCH_QUEUES:-4x} \
 torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
