@@ -54,12 +54,13 @@ if [ -n "${LOG_DIR:-}" ]; then
   LOG_DIR_ARGS=(--log-dir "${LOG_DIR}")
 fi
 
-# CUDA_SCALE_LAUNCH_QUEUES=4x: the driver queues up to ~4,100 kernel launches on a stream instead
-# of ~1,000 before a launch blocks the host (measured on H100, driver 580). The LLM's backward fills the default queue, so the
-# host could not get ahead of the GPU by more than ~1,000 launches; the encoders' small kernels
-# after it (their backward, the optimizer, the next step's encoder forward) then ran at the
-# host's launch pace with the GPU idle (docs/performance.md, eighth session). A value of your
-# own is kept (the CUDA programming guide's environment variables list it).
+# CUDA_SCALE_LAUNCH_QUEUES=4x: the driver queues up to ~4,100 kernel launches on a stream
+# instead of ~1,000 before a launch blocks the host (measured on H100, driver 580). The LLM's
+# backward fills the default queue, so the host could not get ahead of the GPU by more than
+# ~1,000 launches; the encoders' small kernels after it (their backward, the optimizer, the
+# next step's encoder forward) then ran at the host's launch pace with the GPU idle
+# (docs/performance.md, "Launch queues"). A value of your own is kept (the CUDA programming
+# guide's environment variables list the variable).
 PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-"expandable_segments:True"} \
 CUDA_SCALE_LAUNCH_QUEUES=${CUDA_SCALE_LAUNCH_QUEUES:-4x} \
 torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
