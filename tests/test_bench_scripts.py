@@ -431,3 +431,18 @@ def test_tables_state_the_launch_queues_each_kind_of_point_ran_with():
     assert bench.launch_queues({"CUDA_SCALE_LAUNCH_QUEUES": "2x"}) == (
         "CUDA_SCALE_LAUNCH_QUEUES=2x for every point")
     assert bench.launch_queues({"CUDA_SCALE_LAUNCH_QUEUES": ""}) == bench.launch_queues({})
+
+
+def test_encoder_graph_benchmark_runs_what_the_encoder_runs():
+    bench = _script("bench_encoder_graphs")
+    rows = bench.main(["--smoke", "--iters", "1", "--warmup", "0"])
+    assert [r["mode"] for r in rows] == ["eager"]  # graphs need CUDA
+    # the graphable wrapper (tensors in, attention metadata rebuilt) is the encoder's lm_encode
+    assert rows[0]["vs_lm_encode"] == 0.0
+    assert rows[0]["patches"] == 20 and rows[0]["host_ms"] > 0
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, "scripts/bench_encoder_graphs.py"], cwd=REPO,
+                             capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert run.returncode == 1
+        assert run.stderr.strip().endswith("needs a CUDA GPU (use --smoke for a CPU check)")
