@@ -22,6 +22,7 @@ import argparse
 import bisect
 import json
 import re
+import statistics
 from collections import defaultdict
 
 KINDS = (
@@ -231,11 +232,15 @@ def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
     # the end of the compute timeline covered so far, from the first compute kernel's start
     cursor = min((e["ts"] for e in kernels if kind(e["name"]) != "communication"), default=0.0)
     for e in sorted(kernels, key=lambda e: e["ts"]):
-        row = rows.setdefault(phase(e), {"timeline": 0.0, "busy": 0.0, "comm": 0.0, "n": 0})
+        row = rows.setdefault(phase(e), {"timeline": 0.0, "busy": 0.0, "comm": 0.0, "n": 0,
+                                         "leads": []})
         row["n"] += 1
         if kind(e["name"]) == "communication":
             row["comm"] += e["dur"]
             continue
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        if launch is not None and "dur" in launch:
+            row["leads"].append(e["ts"] - (launch["ts"] + launch["dur"]))
         start, end = e["ts"], e["ts"] + e["dur"]
         if end <= cursor:
             continue  # wholly under another compute kernel
@@ -244,13 +249,16 @@ def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
         row["timeline"] += max(0.0, start - cursor) + busy
         cursor = end
     out = ["  by part (kernels by the FSDP unit their host thread was in; idle time goes to "
-           "the kernel that ran next):",
+           "the kernel that ran next; host lead: the median time from a compute kernel's launch "
+           "call to its start, near zero where the GPU waits for the host's launches):",
            f"  {'part':24s} {'pass':9s} {'timeline':>10s} {'computing':>10s} {'idle':>9s} "
-           f"{'comm kernels':>13s} {'kernels':>8s}"]
+           f"{'comm kernels':>13s} {'kernels':>8s} {'host lead':>10s}"]
     for (part, pass_), r in rows.items():
+        lead = (f"{statistics.median(r['leads']) / 1e3:7.1f} ms" if r["leads"]
+                else "         -")
         out.append(f"  {part:24s} {pass_:9s} {r['timeline'] / 1e3:7.1f} ms "
                    f"{r['busy'] / 1e3:7.1f} ms {(r['timeline'] - r['busy']) / 1e3:6.1f} ms "
-                   f"{r['comm'] / 1e3:10.1f} ms {r['n']:8d}")
+                   f"{r['comm'] / 1e3:10.1f} ms {r['n']:8d} {lead}")
     return out
 
 
