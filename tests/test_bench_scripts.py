@@ -448,3 +448,29 @@ def test_encoder_graph_benchmark_runs_what_the_encoder_runs():
                              env={**os.environ, "PYTHONPATH": str(REPO)})
         assert run.returncode == 1
         assert run.stderr.strip().endswith("needs a CUDA GPU (use --smoke for a CPU check)")
+
+
+def test_pyspy_summary_counts_threads_queue_waits_and_encoder_samples():
+    spy = _script("summarize_pyspy")
+    raw = [
+        "thread (7): MainThread;run (torchtitan_omni/train.py:10);"
+        "lm_encode (torchtitan_omni/encoders/vision.py:240);linear (torch/nn/functional.py:5) 5",
+        "thread (7): MainThread;run (torchtitan_omni/train.py:10);step (torch/optim/adamw.py:3) 3",
+        # the autograd thread: a launch waiting for room in the queue, and one that did not
+        "thread (9);Engine::thread_main (libtorch_cpu.so);cudaLaunchKernel (libcudart.so);"
+        "cuLaunchKernel (libcuda.so);sched_yield (libc.so.6) 6",
+        "thread (9);Engine::thread_main (libtorch_cpu.so);cudaLaunchKernel (libcudart.so) 2",
+        "thread (9);sched_yield (libc.so.6) 1",  # a yield outside a launch is not a queue wait
+        "",
+    ]
+    stacks = spy.read_raw([line + "\n" for line in raw])
+    lines = spy.summarize(stacks, top=2)
+    assert lines[0] == "17 samples"
+    rows = {line[:36].strip(): line[36:].split() for line in lines[2:4]}
+    assert rows == {"thread 9": ["9", "52.9%", "6", "(", "66.7%)", "0"],
+                    "MainThread (7)": ["8", "47.1%", "0", "(", "0.0%)", "5"]}, rows
+    main_frames = lines[lines.index("  innermost Python frames, MainThread (7):") + 1:]
+    assert [line.split(None, 1) for line in main_frames] == [
+        ["5", "linear (torch/nn/functional.py)"], ["3", "step (torch/optim/adamw.py)"]]
+    with pytest.raises(ValueError, match="line 1 is not py-spy's raw format"):
+        spy.read_raw(["thread (7): MainThread;frame\n"])

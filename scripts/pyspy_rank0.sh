@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Sample training rank 0 with py-spy once it is in steady state, from beside a running job:
+#
+#   NGPU=4 CONFIG_FILE=... ./run_train.sh ... &
+#   bash scripts/pyspy_rank0.sh OUT_DIR [WAIT_S=45] [DURATION_S=12]
+#
+# Finds rank 0 (torchrun's direct child whose environment holds LOCAL_RANK=0: the data loader's
+# workers are forked from rank 0 and share its command line and environment, so those alone
+# do not tell it apart), waits WAIT_S seconds, then records DURATION_S seconds of Python stacks
+# of every thread at 100 Hz (OUT_DIR/pyspy_py.txt) and DURATION_S seconds with native frames at
+# 40 Hz (OUT_DIR/pyspy_native.txt), py-spy's raw (collapsed) format, which
+# scripts/summarize_pyspy.py reads. PY_SPY names the py-spy binary (default: py-spy on PATH).
+set -uo pipefail
+out=${1:?usage: pyspy_rank0.sh OUT_DIR [WAIT_S] [DURATION_S]}
+wait_s=${2:-45}
+duration=${3:-12}
+spy=${PY_SPY:-py-spy}
+mkdir -p "$out"
+rank0=""
+for _ in $(seq 1 300); do  # up to 5 minutes for the job to start its ranks
+  for proc in /proc/[0-9]*; do
+    tr '\0' '\n' < "$proc/environ" 2>/dev/null | grep -qx LOCAL_RANK=0 || continue
+    parent=$(awk '/^PPid:/ {print $2}' "$proc/status" 2>/dev/null)
+    tr '\0' ' ' < "/proc/$parent/cmdline" 2>/dev/null | grep -q torchrun || continue
+    rank0=${proc#/proc/}
+    break
+  done
+  [ -n "$rank0" ] && break
+  sleep 1
+done
+if [ -z "$rank0" ]; then
+  echo "pyspy_rank0: no rank 0 (a child of torchrun with LOCAL_RANK=0) appeared" >&2
+  exit 1
+fi
+echo "pyspy_rank0: rank 0 is pid $rank0: $(tr '\0' ' ' < "/proc/$rank0/cmdline" | head -c 200)"
+sleep "$wait_s"
+"$spy" record -p "$rank0" -d "$duration" -r 100 --threads -f raw -o "$out/pyspy_py.txt"
+# native frames need the process paused while sampled (py-spy's default, blocking mode)
+"$spy" record -p "$rank0" -d "$duration" -r 40 --native --threads -f raw \
+  -o "$out/pyspy_native.txt"
