@@ -19,9 +19,10 @@ mkdir -p "$out"
 rank0=""
 for _ in $(seq 1 300); do  # up to 5 minutes for the job to start its ranks
   for proc in /proc/[0-9]*; do
-    tr '\0' '\n' < "$proc/environ" 2>/dev/null | grep -qx LOCAL_RANK=0 || continue
-    parent=$(awk '/^PPid:/ {print $2}' "$proc/status" 2>/dev/null)
-    tr '\0' ' ' < "/proc/$parent/cmdline" 2>/dev/null | grep -q torchrun || continue
+    # (processes come and go while this looks: the redirections' errors are dropped too)
+    { tr '\0' '\n' < "$proc/environ"; } 2>/dev/null | grep -qx LOCAL_RANK=0 || continue
+    parent=$({ awk '/^PPid:/ {print $2}' "$proc/status"; } 2>/dev/null)
+    { tr '\0' ' ' < "/proc/$parent/cmdline"; } 2>/dev/null | grep -q torchrun || continue
     rank0=${proc#/proc/}
     break
   done
