@@ -6,7 +6,8 @@
 #
 #   bash scripts/gpu_benchmarks.sh attention omni_1gpu:no-compile omni_1gpu:compile-only
 #
-# Each argument is "attention" (scripts/bench_attention.py) or a bench_scaling.py plan, with
+# Each argument is "attention" (scripts/bench_attention.py), "encoder_graphs"
+# (scripts/bench_encoder_graphs.py; both on one GPU) or a bench_scaling.py plan, with
 # ":no-compile" or ":compile-only" to split a plan over calls, or "=point,point" to run only
 # those points (in the plan's order), e.g. moe_4gpu=moe_30B-A3B_12L_8k_ep4_text_exact. Tables go
 # to $OUT (or bench_out/), the training logs and the tables' JSON rows into one archive there
@@ -57,6 +58,11 @@ for arg in "$@"; do
   if [ "$plan" = "attention" ]; then
     timeout "$left" python3 scripts/bench_attention.py --out "$out/attention.json" \
       > "$out/attention.md" 2>&1 || echo "attention: exit $?" >> "$out/attention.md"
+    continue
+  fi
+  if [ "$plan" = "encoder_graphs" ]; then
+    timeout "$left" python3 scripts/bench_encoder_graphs.py > "$out/encoder_graphs.md" 2>&1 \
+      || echo "encoder_graphs: exit $?" >> "$out/encoder_graphs.md"
     continue
   fi
   flags=()
