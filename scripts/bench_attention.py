@@ -277,30 +277,37 @@ def _compiled_flex():
 
 
 # ----------------------------------------------------------------- timing
-def time_fwd_bwd(fn: Attn, q, k, v, iters: int, warmup: int) -> tuple[float, float]:
-    """Median milliseconds of forward + backward: on the device, and on the host to issue them
-    (from the call to ``backward()``'s return, before waiting for the device)."""
-    grad = torch.randn_like(q)
-    times, host = [], []
+def time_passes(step: Callable[..., None], iters: int, warmup: int, cuda: bool,
+                prepare: Callable[[], tuple] = tuple) -> tuple[float, float]:
+    """Median (device ms, host ms) of ``step(*prepare())``: the host's from the call to its
+    return (before waiting for the device), the device's from events around it (the host's
+    on CPU). ``prepare`` runs before each pass, untimed."""
+    device_ms, host_ms = [], []
     for i in range(warmup + iters):
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        if q.is_cuda:
+        args = prepare()
+        if cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        fn(qq, kk, vv).backward(grad)
+        step(*args)
         issued = (time.perf_counter() - t0) * 1e3
-        if q.is_cuda:
+        if cuda:
             end.record()
             torch.cuda.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            ms = issued
         if i >= warmup:
-            times.append(ms)
-            host.append(issued)
-    return statistics.median(times), statistics.median(host)
+            host_ms.append(issued)
+            device_ms.append(start.elapsed_time(end) if cuda else issued)
+    return statistics.median(device_ms), statistics.median(host_ms)
+
+
+def time_fwd_bwd(fn: Attn, q, k, v, iters: int, warmup: int) -> tuple[float, float]:
+    """Median milliseconds of forward + backward: on the device, and on the host to issue them
+    (:func:`time_passes`; fresh leaves of ``q``, ``k``, ``v`` each pass)."""
+    grad = torch.randn_like(q)
+    return time_passes(lambda qq, kk, vv: fn(qq, kk, vv).backward(grad), iters, warmup,
+                       q.is_cuda,
+                       prepare=lambda: tuple(t.detach().requires_grad_() for t in (q, k, v)))
 
 
 def _grads(fn: Attn, q, k, v, real: int, grad: torch.Tensor) -> list[torch.Tensor]:

@@ -23,9 +23,8 @@ backward) eager and graphed.
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -35,6 +34,9 @@ from torchtitan_omni.encoders.blocks import packed_meta
 from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder, merge_window_positions
 from torchtitan_omni.modules.init import init_context
 from torchtitan_omni.protocols.modules import AttentionMeta
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling scripts
+from bench_attention import time_passes  # the benchmarks' one timer
 
 #: (name, grid_thw rows) of each case
 CASES = {
@@ -73,28 +75,6 @@ def tower_inputs(encoder: VisionEncoder, grid: list[list[int]], device: torch.de
     meta = packed_meta(segments, device, positions, encoder.rope.tables(positions))
     cos, sin = meta.rope_tables
     return (patches, meta.cu_seqlens, cos, sin), meta.max_seqlen
-
-
-def time_passes(step: Callable[[], None], iters: int, warmup: int,
-                cuda: bool) -> tuple[float, float]:
-    """Median (device ms, host ms) of ``step``: the host's from the call to its return, the
-    device's from events around it (the host's on CPU)."""
-    device_ms, host_ms = [], []
-    for i in range(warmup + iters):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        step()
-        issued = (time.perf_counter() - t0) * 1e3
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-        if i >= warmup:
-            host_ms.append(issued)
-            device_ms.append(start.elapsed_time(end) if cuda else issued)
-    return statistics.median(device_ms), statistics.median(host_ms)
 
 
 def forward_backward(fn: Callable, inputs: tuple, grad: torch.Tensor,
