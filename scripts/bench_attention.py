@@ -5,10 +5,13 @@ layouts training produces, it times forward + backward of every candidate torch 
 checks each against a float32 per-document reference:
 
 - ``varlen_fa2``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2, one launch for
-  all documents) — what ``torchtitan_omni.modules.attention`` runs for packed documents;
+  all documents), what ``torchtitan_omni.modules.attention`` ran for packed documents until
+  2026-11-27;
 - ``varlen_aten``: the same kernels through ``aten._flash_attention_forward`` / ``_backward``
-  in a plain autograd function, without ``varlen_attn``'s custom-op layers (its host cost per
-  call is what the launch-bound encoders pay 32 times a pass: the "host ms" column);
+  in a plain autograd function, without ``varlen_attn``'s custom-op layers: what
+  ``torchtitan_omni.modules.attention.varlen_attention`` runs on CUDA now (``FlashVarlen``,
+  called here; its host cost per call is what the launch-bound encoders pay 32 times a pass:
+  the "host ms" column);
 - ``sdpa_cudnn`` / ``sdpa_flash`` / ``sdpa_efficient``: ``scaled_dot_product_attention`` over
   whole rows with one backend (exact only when a row is one document, or for equal-length
   items batched together);
@@ -140,31 +143,10 @@ def make_candidates(case: dict) -> dict[str, Attn]:
 
     out["varlen_fa2"] = varlen
 
-    class _FlashVarlen(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v):
-            cu = _cu(docs, q.device)
-            ctx.n_rep = hq // k.shape[1]
-            k, v = _expand(k, hq), _expand(v, hq)
-            window = (-1, 0) if causal else (-1, -1)
-            # a benchmark candidate: the kernels varlen_attn calls, without its custom ops
-            o, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(  # noqa: SLF001
-                q, k, v, cu, cu, max(docs), max(docs), 0.0, causal, False,
-                window_size_left=window[0], window_size_right=window[1])
-            ctx.save_for_backward(q, k, v, o, lse, rng, unused, cu)
-            ctx.window = window
-            return o
-
-        @staticmethod
-        def backward(ctx, g):
-            q, k, v, o, lse, rng, unused, cu = ctx.saved_tensors
-            dq, dk, dv = torch.ops.aten._flash_attention_backward(  # noqa: SLF001
-                g.contiguous(), q, k, v, o, lse, cu, cu, max(docs), max(docs), 0.0, causal, rng,
-                unused, window_size_left=ctx.window[0], window_size_right=ctx.window[1])
-            return dq, _fold_kv_grad(dk, ctx.n_rep), _fold_kv_grad(dv, ctx.n_rep)
-
     def varlen_aten(q, k, v):
-        return _FlashVarlen.apply(q, k, v)
+        from torchtitan_omni.modules.attention import varlen_attention
+
+        return varlen_attention(q, k, v, _cu(docs, q.device), max(docs), causal=causal)
 
     out["varlen_aten"] = varlen_aten
 

@@ -103,10 +103,10 @@ def run_case(name: str, grid: list[list[int]], args: VisionArgs, device: torch.d
     inputs = (inputs[0].to(dtype), *inputs[1:])
     tower = GraphableTower(encoder, max_seqlen)
     params = [p for p in tower.parameters() if p.requires_grad]
-    out = tower(*inputs)
     # the wrapper computes what the encoder's own entry point computes
     media = {"patches": inputs[0], "grid_thw": torch.tensor(grid)}
     with torch.no_grad():
+        out = tower(*inputs)
         via_encoder = encoder.lm_encode(media, "image")
     grad = torch.randn(out.shape, device=device, dtype=dtype, generator=gen)
     cuda = device.type == "cuda"
@@ -121,12 +121,16 @@ def run_case(name: str, grid: list[list[int]], args: VisionArgs, device: torch.d
         p.grad = None
     ref_out = tower(*inputs)
     ref_out.backward(grad)
+    # no autograd graph may outlive its pass: capture fails on an accumulate-grad node left
+    # from an eager pass on the default stream (cudaErrorStreamCaptureImplicit, 2026-11-27)
+    ref_out = ref_out.detach()
     ref_grads = [p.grad.clone() for p in params]
     graphed = torch.cuda.make_graphed_callables(tower, inputs)
     for p in params:
         p.grad = None
     got = graphed(*inputs)
     got.backward(grad)
+    got = got.detach()
     row = {"case": name, "mode": "CUDA graph", "patches": inputs[0].shape[0],
            "out_diff": relative_difference(got, ref_out),
            "grad_diff": max(relative_difference(p.grad, g) for p, g in zip(params, ref_grads))}

@@ -424,6 +424,11 @@ def moe_4gpu() -> list[Point]:
         Point("moe_30B-A3B_12L_8k_ep4_toy_exact_log10_encoders_replicated", MOE, 4, 8192,
               cut + _ep(4) + LOG10 + REPLICATED, workload="toy", steps=30, warmup=10,
               estimate_s=90),
+        # the two toy-row gains of 2026-11-27 (ninth session) together: the NVSHMEM exchange
+        # (0.86x of its long text against NCCL's 0.76x) and replicated encoders (0.83x)
+        Point("moe_30B-A3B_12L_8k_ep4_toy_exact_log10_nvshmem_encoders_replicated", MOE, 4,
+              8192, cut + _ep(4) + LOG10 + NVSHMEM + REPLICATED, workload="toy", steps=30,
+              warmup=10, estimate_s=90),
     ]
 
 

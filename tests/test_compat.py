@@ -51,6 +51,35 @@ def test_grouped_mm_computes_one_product_per_group():
     torch.testing.assert_close(out, torch.cat([x[:2] @ w[0], x[2:] @ w[1]]))
 
 
+def test_flash_attention_ops_take_what_compat_passes():
+    """The varlen flash path (CUDA only, so only the ops' schemas are checked on CPU): the
+    positional arguments in order, the keywords it passes, and the outputs it unpacks."""
+    fwd = torch.ops.aten._flash_attention_forward.default._schema
+    assert [a.name for a in fwd.arguments if not a.kwarg_only] == [
+        "query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
+        "is_causal", "return_debug_mask"]
+    assert {"scale", "window_size_left", "window_size_right"} <= {
+        a.name for a in fwd.arguments if a.kwarg_only}
+    assert len(fwd.returns) == 5
+    bwd = torch.ops.aten._flash_attention_backward.default._schema
+    assert [a.name for a in bwd.arguments if not a.kwarg_only] == [
+        "grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k",
+        "max_q", "max_k", "dropout_p", "is_causal", "rng_state", "unused"]
+    assert {"scale", "window_size_left", "window_size_right"} <= {
+        a.name for a in bwd.arguments if a.kwarg_only}
+    assert len(bwd.returns) == 3
+
+
+def test_per_op_checkpointing_saves_the_flash_forward():
+    """What ``FlashVarlen`` runs in the forward is an op per-op checkpointing keeps."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from torchtitan_omni.distributed.activation_checkpoint import _op_policy
+
+    op = torch.ops.aten._flash_attention_forward.default
+    assert _op_policy(None, op) == CheckpointPolicy.MUST_SAVE
+
+
 def test_functional_collectives_have_the_signatures_used():
     assert _params(funcol.all_reduce)[:3] == ["self", "reduceOp", "group"]
     assert _params(funcol.all_to_all_single_autograd)[:4] == [

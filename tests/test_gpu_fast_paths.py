@@ -1,5 +1,6 @@
 """The fast paths on a CUDA GPU in bf16 against float64 CPU references: whole-row attention
-(cuDNN/flash SDPA) for single-document rows, the chunked text-head loss, and a compiled
+(cuDNN/flash SDPA) for single-document rows, packed attention on FlashAttention-2's varlen
+kernels (and per-op checkpointing keeping its output), the chunked text-head loss, and a compiled
 Llama block and a compiled Qwen3-MoE block with capacity-padded dispatch (one graph each, per-op
 activation checkpointing inside) against the eager blocks. Skipped without a GPU."""
 
@@ -32,6 +33,60 @@ def test_row_attention_matches_per_document_reference():
     ref = varlen_attention(q[0], k[0], v[0], cu, real, causal=True)[:real]
     out = row_attention(*(t.cuda().bfloat16() for t in (q, k, v)), causal=True)[0, :real]
     assert _rel(out, ref) < BF16_REL
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_attention_matches_per_document_reference(causal):
+    """The FlashAttention-2 varlen path (``FlashVarlen``), grouped queries included: output
+    and the gradients of q, k and v (k/v keep their 2 heads) against float64 per document."""
+    g = torch.Generator().manual_seed(2)
+    docs = [300, 1, 700, 23]
+    t = sum(docs)
+    cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(t, 8, 64, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(t, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(t, 8, 64, generator=g, dtype=torch.float64)
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = varlen_attention(*ref_in, cu, max(docs), causal=causal, scale=0.1)
+    ref.backward(grad)
+    gpu_in = [x.cuda().bfloat16().requires_grad_() for x in (q, k, v)]
+    out = varlen_attention(*gpu_in, cu.cuda(), max(docs), causal=causal, scale=0.1)
+    out.backward(grad.cuda().bfloat16())
+    assert _rel(out, ref) < BF16_REL
+    for got, want in zip(gpu_in, ref_in):
+        assert got.grad.shape == want.grad.shape
+        assert _rel(got.grad, want.grad) < BF16_REL
+
+
+def test_per_op_checkpoint_saves_the_varlen_attention():
+    """Per-op activation checkpointing keeps the attention's output: the flash forward kernel
+    runs once per forward + backward of a checkpointed call, not again in the recompute."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+    from torchtitan_omni.modules.attention import SelfAttention
+
+    class CountFlash(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "_flash_attention_forward":
+                CountFlash.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    attn = SelfAttention(256, 4, 2).cuda().bfloat16()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.02)
+    checkpoint_units([attn], "selective", "op")
+    docs = [500, 524]
+    cu = torch.tensor([0, 500, 1024], dtype=torch.int32, device="cuda")
+    pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0).cuda()
+    x = torch.randn(1, 1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with CountFlash():
+        attn(x, AttentionMeta(cu, max(docs), pos)).float().square().mean().backward()
+    assert x.grad is not None
+    assert CountFlash.calls == 1, f"the flash forward ran {CountFlash.calls} times"
 
 
 def test_chunked_loss_matches_reference():

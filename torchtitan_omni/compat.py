@@ -10,7 +10,9 @@ Wrapped here:
 
 - torch: ``DeviceMesh._unflatten`` / ``_flatten`` (the mesh layout TorchTitan's own
   ``ParallelDims`` builds with), DTensor's ``_StridedShard`` placement, ``torch._grouped_mm``
-  (grouped GEMM of the MoE experts), ``torch.distributed._functional_collectives`` and its
+  (grouped GEMM of the MoE experts), ``aten._flash_attention_forward`` / ``_backward``
+  (FlashAttention-2's varlen kernels without ``varlen_attn``'s custom-op layers: packed
+  attention on CUDA), ``torch.distributed._functional_collectives`` and its
   op ``torch.ops._c10d_functional.all_to_all_single`` (collectives ``torch.compile`` can
   trace; a launched one waited where the caller chooses),
   ``torch._dynamo`` (recompile limit, compiled-graph count), ``nn.Module``'s hook and
@@ -69,6 +71,34 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """``torch._grouped_mm``: one GEMM per group of rows of ``a`` (CUDA bf16). Looked up at
     call time, so a test can count calls at torch's entry point."""
     return torch._grouped_mm(a, b, offs=offs)
+
+
+def flash_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                         max_seqlen: int, causal: bool, scale: float | None
+                         ) -> tuple[torch.Tensor, ...]:
+    """``aten._flash_attention_forward`` on packed ``[T, H, D]`` q/k/v (k/v may have fewer
+    heads: the kernel serves grouped queries itself), no dropout: ``(out, logsumexp,
+    rng_state, unused)``, the last three what :func:`flash_varlen_backward` needs.
+
+    The op ``torch.nn.attention.varlen.varlen_attn`` runs inside its custom ops. Called
+    directly, a pass costs a third to two thirds less host time and no extra kernel
+    (``scripts/bench_attention.py``'s ``varlen_aten`` row, docs/performance.md)."""
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, causal, False, scale=scale,
+        window_size_left=-1, window_size_right=0 if causal else -1)
+    return out, lse, rng, unused
+
+
+def flash_varlen_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          out: torch.Tensor, lse: torch.Tensor, rng: torch.Tensor,
+                          unused: torch.Tensor, cu: torch.Tensor, max_seqlen: int, causal: bool,
+                          scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``aten._flash_attention_backward`` for :func:`flash_varlen_forward`: ``(dq, dk, dv)``,
+    ``dk``/``dv`` with the heads of ``k``/``v``."""
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad, q, k, v, out, lse, cu, cu, max_seqlen, max_seqlen, 0.0, causal, rng, unused,
+        scale=scale, window_size_left=-1, window_size_right=0 if causal else -1)
+    return dq, dk, dv
 
 
 def symmetric_memory():

@@ -2,8 +2,11 @@
 
 ``varlen_attention`` computes attention within each document of a packed sequence:
 
-- on CUDA through PyTorch's varlen kernel (``torch.nn.attention.varlen``, FlashAttention-2),
-  one launch for every document;
+- on CUDA through FlashAttention-2's varlen kernels, one launch for every document, called
+  through aten's op by :class:`FlashVarlen` (what ``torch.nn.attention.varlen.varlen_attn``
+  calls inside two custom ops: ``scripts/bench_attention.py`` measured a third to two thirds
+  less host time without them, and per-op activation checkpointing saves the aten op's output,
+  while it recomputed ``varlen_attn``'s);
 - when each row is a single document followed by padding (``AttentionMeta.whole_rows``:
   long-context rows), causal attention over the whole rows is exact for every real token and
   runs on ``scaled_dot_product_attention`` with the backends of :data:`ROW_BACKENDS` (cuDNN's
@@ -22,7 +25,6 @@ insert the sequence-parallel all-to-alls (and overlap them with the projections)
 
 from __future__ import annotations
 
-import inspect
 from typing import Protocol
 
 import torch
@@ -30,17 +32,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from torchtitan_omni.compat import flash_varlen_backward, flash_varlen_forward
 from torchtitan_omni.modules import init
 from torchtitan_omni.modules.rope import RotaryEmbedding
 from torchtitan_omni.protocols.modules import AttentionMeta
-
-try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-
-    _VARLEN_GQA = "enable_gqa" in inspect.signature(_varlen_attn).parameters
-except (ImportError, ValueError):  # pragma: no cover - older torch
-    _varlen_attn = None
-    _VARLEN_GQA = False
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -93,6 +88,27 @@ def _attention_block_masked(
     return o.transpose(0, 1)
 
 
+class FlashVarlen(torch.autograd.Function):
+    """Packed attention on FlashAttention-2's varlen kernels (CUDA, bf16/fp16): ``apply(q, k,
+    v, cu_seqlens, max_seqlen, causal, scale)`` as :func:`varlen_attention` takes them, with
+    ``cu_seqlens`` int32 on the device. k/v keep their heads (the kernels serve grouped
+    queries); the backward returns their gradients with those heads."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_seqlen, causal, scale):
+        out, lse, rng, unused = flash_varlen_forward(q, k, v, cu, max_seqlen, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse, rng, unused, cu)
+        ctx.max_seqlen, ctx.causal, ctx.scale = max_seqlen, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, rng, unused, cu = ctx.saved_tensors
+        dq, dk, dv = flash_varlen_backward(grad.contiguous(), q, k, v, out, lse, rng, unused, cu,
+                                           ctx.max_seqlen, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
     max_seqlen: int, causal: bool = True, scale: float | None = None,
@@ -102,15 +118,9 @@ def varlen_attention(
     ``q`` is ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA),
     ``cu_seqlens`` int32 ``[N + 1]`` document boundaries over ``T``. Returns ``[T, Hq, D]``.
     """
-    if q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
-        n_rep = q.shape[1] // k.shape[1]
-        kwargs = {"scale": scale, "window_size": (-1, 0) if causal else (-1, -1)}
-        if n_rep > 1 and _VARLEN_GQA:
-            kwargs["enable_gqa"] = True
-        elif n_rep > 1:
-            k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return _varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+        return FlashVarlen.apply(q, k, v, cu, max_seqlen, causal, scale)
     if torch.compiler.is_compiling():
         return _attention_block_masked(q, k, v, cu_seqlens, causal, scale)
     return _attention_per_document(q, k, v, cu_seqlens, causal, scale)
