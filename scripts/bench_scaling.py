@@ -314,6 +314,15 @@ def llama_4gpu() -> list[Point]:
               warmup=2, workload="realistic", estimate_s=110),
         Point("omni_8B_16k_sp2_realistic", LLAMA8B, 4, 16384, SEL + _sp(2), steps=8,
               workload="realistic", estimate_s=90),
+        # 64K without full AC (its recompute is a third more work that MFU does not count):
+        # selective per-op AC, and every 2nd block checkpointed; 16K tokens' activations per
+        # rank, so 4x H200 (141 GB) only
+        Point("omni_8B_64k_sp4_realistic", LLAMA8B, 4, 65536, SEL + _sp(4), steps=6, warmup=2,
+              workload="realistic", estimate_s=110),
+        Point("omni_8B_64k_sp4_ac2_realistic", LLAMA8B, 4, 65536,
+              ("--activation_checkpoint.mode", "selective",
+               "--activation_checkpoint.selective_ac_option", "2") + _sp(4), steps=6, warmup=2,
+              workload="realistic", estimate_s=110),
         # a log line every 10 steps (as omni_2gpu's *_log10 points), and the toy rows with
         # the encoders replicated
         *[Point(f"omni_8B_8k_{workload}_log10", LLAMA8B, 4, 8192, SEL + LOG10, steps=30,
