@@ -16,7 +16,9 @@ EP2 MoE blocks around their exchanges (``parallelism.expert_ac_keep_exchanges``;
 capacity-padded, in 2 chunks, with the experts FSDP-sharded as the trainer shards them, and
 compiled in pieces with aot_eager): outputs and gradients equal those without AC, and the step
 runs as many all-to-alls as without AC (the recompute exchanges nothing), counted by a
-dispatch mode, where a whole-block checkpoint runs the forward's again. And the exact
+dispatch mode, where a whole-block checkpoint runs the forward's again; checkpointed whole,
+the exact dispatcher's recompute replays the forward's split sizes (one host read per layer
+and step, as without AC). And the exact
 dispatcher sending each token once per rank (``parallelism.expert_dispatch = "tokens"``):
 EP4 and EP2 against one process as above (also with experts nobody routes to, and under AC
 around its exchanges with FSDP-sharded experts), its forward exchange carrying one row per
@@ -408,6 +410,74 @@ def _ac_case(rank: int, world: int, unit: str, factor: float, chunks: int, fsdp:
             "whole_calls": whole_calls, "graphs": graphs}
 
 
+def _replay_case(rank: int, world: int) -> dict:
+    """EP2 blocks with the exact dispatcher checkpointed whole (full AC, as parallelize
+    applies it) against the same blocks without AC: errors, all-to-alls, and how often the
+    dispatcher read its split sizes on the host."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+    from torchtitan_omni.distributed.expert_parallel import ExpertParallelDispatcher
+
+    reads = []
+    host_read = ExpertParallelDispatcher._split_sizes
+
+    def counted(self, counts):
+        reads.append(1)
+        return host_read(self, counts)
+
+    ExpertParallelDispatcher._split_sizes = counted  # this spawned rank's class only
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
+    plain, whole = (_ep_blocks(mesh, 0.0, 1, True) for _ in range(2))
+    assert checkpoint_units(list(whole), "full") == AC_LAYERS
+    out, x_grad, calls = _ac_step(plain, rank)
+    plain_reads = len(reads)
+    whole_out, whole_x_grad, whole_calls = _ac_step(whole, rank)
+    errors = {"out": _error(whole_out, out), "x": _error(whole_x_grad, x_grad)}
+    full = (lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g)
+    for (name, p), q in zip(plain.named_parameters(), whole.parameters()):
+        errors[name] = _error(full(q.grad), full(p.grad))
+    result = {"errors": errors, "calls": calls, "whole_calls": whole_calls,
+              "plain_reads": plain_reads, "whole_reads": len(reads) - plain_reads}
+    result.update(_replay_compiled(mesh, rank, reads))
+    return result
+
+
+def _replay_compiled(mesh, rank: int, reads: list) -> dict:
+    """The same blocks compiled in pieces (aot_eager) inside their whole-block checkpoints,
+    over three steps whose routing differs (the router's features rolled): errors against
+    the eager blocks without AC, host reads in the last step, graphs compiled in the last."""
+    import torch
+
+    from torchtitan_omni.compat import compiled_graph_count
+    from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+    from torchtitan_omni.distributed.compile import compile_units
+
+    torch._dynamo.reset()
+    plain, whole = (_ep_blocks(mesh, 0.0, 1, True) for _ in range(2))
+    compile_units(list(whole), "aot_eager", graph_breaks=True)
+    checkpoint_units(list(whole), "full")
+    errors, graphs = {}, []
+    for step in range(3):
+        x, grad = _inputs(rank)
+        x = x.detach().roll(step, dims=1)
+        outs = []
+        for blocks in (plain, whole):
+            xi = x.clone().requires_grad_()
+            h = xi
+            for block in blocks:
+                h = block(h)
+            (h * grad).sum().backward()
+            outs.append((h.detach(), xi.grad))
+        errors[f"step {step} out"] = _error(outs[1][0], outs[0][0])
+        errors[f"step {step} x"] = _error(outs[1][1], outs[0][1])
+        graphs.append(compiled_graph_count())
+        if step == 1:
+            last_reads = len(reads)
+    return {"compiled_errors": errors, "compiled_last_reads": len(reads) - last_reads,
+            "graphs": graphs}
+
+
 #: name: (expert dispatch unit, capacity factor, dispatch chunks, experts FSDP-sharded,
 #: compiled, all-to-alls per layer without AC) of the activation-checkpointing cases (EP2):
 #: exact 5 (counts, dispatch, combine; 2 backward; either unit), capacity 4, capacity in 2
@@ -422,7 +492,7 @@ AC_CASES = {
 
 
 def _all_cases(rank, world):
-    results = {"counts": _counts_case(rank, world)}
+    results = {"counts": _counts_case(rank, world), "replay": recorded(_replay_case, rank, world)}
     for name, (unit, factor, chunks, fsdp, compiled, _) in AC_CASES.items():
         results[name] = recorded(_ac_case, rank, world, unit, factor, chunks, fsdp, compiled)
     for name, case in (("order", functools.partial(_backward_order_case, fsdp=False)),
@@ -552,3 +622,25 @@ def test_ac_around_the_expert_exchanges(results, name):
         assert out["ac_calls"] == out["calls"], out
         assert out["whole_calls"] > out["calls"], out  # the whole block's recompute exchanges
         assert (out["graphs"] > 0) == compiled, out
+
+
+def test_whole_block_recompute_replays_the_split_sizes(results):
+    """Exact dispatch under full AC of whole MoE blocks (EP2, FSDP-sharded experts): the
+    recompute replays the forward's split sizes, so the host reads them once per layer and
+    step, as without AC, and the recompute skips the counts exchange (it still exchanges the
+    rows: dispatch and combine, 2 all-to-alls per layer more than without AC, not 3). Outputs
+    and gradients equal those without AC."""
+    for rank, res in enumerate(results):
+        out = res["replay"]
+        assert "error" not in out, f"rank {rank}: {out.get('error')}"
+        bad = {k: v for k, v in out["errors"].items() if v > RTOL}
+        assert not bad, f"rank {rank}: {bad}"
+        assert out["plain_reads"] == out["whole_reads"] == AC_LAYERS, out
+        assert out["whole_calls"] == out["calls"] + 2 * AC_LAYERS, out
+        # compiled in pieces inside the checkpoints, routing changing from step to step: the
+        # same, one read per layer and block kind (plain, whole) in the last step, and no
+        # recompile once a varying size has been marked dynamic
+        bad = {k: v for k, v in out["compiled_errors"].items() if v > RTOL}
+        assert not bad, f"rank {rank}: {bad}"
+        assert out["compiled_last_reads"] == 2 * AC_LAYERS, out
+        assert out["graphs"][0] > 0 and out["graphs"][2] == out["graphs"][1], out

@@ -12,6 +12,12 @@ Those calls save little memory, and on the GPU their recompute is almost all hos
 encoder block on a few thumbnails: dozens of kernel launches for microseconds of work each).
 The result is the same either way: recomputing repeats the forward exactly.
 
+A unit checkpointed whole (full, or every N-th) whose MoE layers read their expert exchange's
+split sizes on the host (the exact dispatcher) records those sizes in its forward and replays
+them in its recompute (``torchtitan_omni.distributed.recompute_tape``): one host sync per layer
+and step instead of two. Per-op selective checkpointing keeps its own contexts (under
+``torch.compile`` they must be dispatch modes).
+
 A checkpointed unit gets :class:`Checkpointed` first in its class
 (``torchtitan_omni.modules.wrapping.extend_class``), whose ``forward`` runs the unit's own
 through ``torch.utils.checkpoint.checkpoint`` (non-reentrant): parameter names, hence the
@@ -46,6 +52,7 @@ from torch.utils.checkpoint import (
 )
 
 from torchtitan_omni.distributed.expert_parallel import expert_parallel_layers
+from torchtitan_omni.distributed.recompute_tape import checkpoint_contexts
 from torchtitan_omni.modules.wrapping import extend_class
 
 _SAVE_OPS = {
@@ -111,9 +118,19 @@ def checkpoint_units(units: list[nn.Module], mode: str, option: str = "1", *,
     for i, unit in enumerate(units):
         if (i + 1) % every == 0:
             for piece in pieces_around_exchanges(unit) if keep_exchanges else [unit]:
-                _checkpoint_forward(piece, kwargs, min_rows)
+                options = kwargs
+                if "context_fn" not in kwargs and _reads_host_sizes(piece):
+                    options = {**kwargs, "context_fn": checkpoint_contexts}
+                _checkpoint_forward(piece, options, min_rows)
             wrapped += 1
     return wrapped
+
+
+def _reads_host_sizes(unit: nn.Module) -> bool:
+    """Whether ``unit`` holds an expert dispatcher that reads split sizes on the host (its
+    recompute then replays them from the forward's tape)."""
+    return any(getattr(getattr(m, "dispatcher", None), "host_sync", False)
+               for m in unit.modules())
 
 
 class Checkpointed(nn.Module):

@@ -13,7 +13,9 @@ int64 routed copies per expert. Without EP the dispatcher is the identity
 ``[r E/P, (r+1) E/P)``. Two dispatchers, chosen by ``parallelism.expert_capacity_factor``:
 
 - 0 (default), exact: :class:`ExpertParallelDispatcher` first exchanges the per-expert counts,
-  reads the split sizes on the host (one sync per layer and pass), sends every token copy to
+  reads the split sizes on the host (one sync per layer and pass; under full activation
+  checkpointing the recompute replays the forward's sizes instead,
+  ``torchtitan_omni.distributed.recompute_tape``), sends every token copy to
   its expert's rank (uneven all-to-all), regroups what arrived by local expert, and
   ``combine`` undoes both steps. Nothing is dropped; ``torch.compile`` breaks the block's
   graph at the host read. With ``parallelism.expert_exchange = "nvshmem"``,
@@ -54,6 +56,7 @@ from torchtitan_omni.distributed.comm import (
 from torchtitan_omni.distributed.expert_device_splits import DeviceSplitExpertParallelDispatcher
 from torchtitan_omni.distributed.expert_overlap import ChunkedExchange
 from torchtitan_omni.distributed.expert_tokens import TokenExchange, check_header_fits
+from torchtitan_omni.distributed.recompute_tape import active_tape
 from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
 from torchtitan_omni.modules.row_maps import permute_rows
 
@@ -107,19 +110,43 @@ class ExpertParallelDispatcher:
             raise ValueError(
                 f"dispatch: counts has {counts.numel()} experts, the layer has {self.num_experts}"
             )
-        local = self.num_experts // self.degree
-        with torch.no_grad():
-            send = counts.to(torch.int64).view(self.degree, local)
-            recv = exchange_counts(send, self.group)
-            # One host sync per layer: the collective needs the split sizes on the host.
-            splits = torch.stack([send.sum(1), recv.sum(1)]).cpu()
-        in_splits, out_splits = splits[0].tolist(), splits[1].tolist()
+        recv, in_splits, out_splits = self._sizes(counts, x.shape[0])
         received = all_to_all_v(x, out_splits, in_splits, self.group)
         total = sum(out_splits)
         perm = _expert_major_order(recv, total)
         inverse = _inverse(perm)
         grouped = permute_rows(received, perm, inverse)
         return grouped, recv.sum(0), (perm, inverse, in_splits, out_splits)
+
+    # host values: torch.compile breaks the graph at this call, whether they are read or
+    # replayed (traced, the replay specializes on the sizes first: more graphs compiled)
+    @torch.compiler.disable
+    def _sizes(self, counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, list[int], list[int]]:
+        """:meth:`_split_sizes`, read on the host, or, in the recompute of a checkpointed
+        forward (same routing, same sizes), replayed from the forward's tape."""
+        tape = active_tape()
+        if tape is not None and tape.replaying:
+            recv, in_splits, out_splits = tape.replay()
+            if sum(in_splits) != rows:
+                raise RuntimeError(
+                    f"expert dispatch: the recompute routed {rows} copies where its forward "
+                    f"routed {sum(in_splits)}")
+            return recv, in_splits, out_splits
+        sizes = self._split_sizes(counts)
+        if tape is not None:
+            tape.record(sizes)
+        return sizes
+
+    def _split_sizes(self, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Rows received per (source rank, local expert) ``[P, E/P]``, and the rows sent to and
+        received from each rank, read on the host."""
+        local = self.num_experts // self.degree
+        with torch.no_grad():
+            send = counts.to(torch.int64).view(self.degree, local)
+            recv = exchange_counts(send, self.group)
+            # One host sync per layer: the collective needs the split sizes on the host.
+            splits = torch.stack([send.sum(1), recv.sum(1)]).cpu()
+        return recv, splits[0].tolist(), splits[1].tolist()
 
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
         """Return expert outputs to the ranks (and rows) their tokens came from."""
