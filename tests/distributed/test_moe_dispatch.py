@@ -18,7 +18,7 @@ compiled in pieces with aot_eager): outputs and gradients equal those without AC
 runs as many all-to-alls as without AC (the recompute exchanges nothing), counted by a
 dispatch mode, where a whole-block checkpoint runs the forward's again; checkpointed whole,
 the exact dispatcher's recompute replays the forward's split sizes (one host read per layer
-and step, as without AC). And the exact
+and step, as without AC; also when it sends each token once per rank). And the exact
 dispatcher sending each token once per rank (``parallelism.expert_dispatch = "tokens"``):
 EP4 and EP2 against one process as above (also with experts nobody routes to, and under AC
 around its exchanges with FSDP-sharded experts), its forward exchange carrying one row per
@@ -410,25 +410,24 @@ def _ac_case(rank: int, world: int, unit: str, factor: float, chunks: int, fsdp:
             "whole_calls": whole_calls, "graphs": graphs}
 
 
-def _replay_case(rank: int, world: int) -> dict:
-    """EP2 blocks with the exact dispatcher checkpointed whole (full AC, as parallelize
-    applies it) against the same blocks without AC: errors, all-to-alls, and how often the
-    dispatcher read its split sizes on the host."""
+def _replay_case(rank: int, world: int, unit: str) -> dict:
+    """EP2 blocks with the exact dispatcher (``unit``: "copies" or "tokens") checkpointed whole
+    (full AC, as parallelize applies it) against the same blocks without AC: errors,
+    all-to-alls, and how often the dispatcher exchanged counts and read its split sizes on the
+    host (both dispatchers do the two together, once per call: the exchanges are counted)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from torchtitan_omni.distributed import expert_parallel, expert_tokens
     from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
-    from torchtitan_omni.distributed.expert_parallel import ExpertParallelDispatcher
 
     reads = []
-    host_read = ExpertParallelDispatcher._split_sizes
-
-    def counted(self, counts):
-        reads.append(1)
-        return host_read(self, counts)
-
-    ExpertParallelDispatcher._split_sizes = counted  # this spawned rank's class only
+    for module in (expert_parallel, expert_tokens):  # this spawned rank's modules only
+        def counted(*args, _exchange=module.exchange_counts, **kwargs):
+            reads.append(1)
+            return _exchange(*args, **kwargs)
+        module.exchange_counts = counted
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
-    plain, whole = (_ep_blocks(mesh, 0.0, 1, True) for _ in range(2))
+    plain, whole = (_ep_blocks(mesh, 0.0, 1, True, unit) for _ in range(2))
     assert checkpoint_units(list(whole), "full") == AC_LAYERS
     out, x_grad, calls = _ac_step(plain, rank)
     plain_reads = len(reads)
@@ -439,11 +438,12 @@ def _replay_case(rank: int, world: int) -> dict:
         errors[name] = _error(full(q.grad), full(p.grad))
     result = {"errors": errors, "calls": calls, "whole_calls": whole_calls,
               "plain_reads": plain_reads, "whole_reads": len(reads) - plain_reads}
-    result.update(_replay_compiled(mesh, rank, reads))
+    if unit == "copies":  # (the tokens dispatcher's pieces are not compiled anywhere yet)
+        result.update(_replay_compiled(mesh, rank, reads, unit))
     return result
 
 
-def _replay_compiled(mesh, rank: int, reads: list) -> dict:
+def _replay_compiled(mesh, rank: int, reads: list, unit: str) -> dict:
     """The same blocks compiled in pieces (aot_eager) inside their whole-block checkpoints,
     over three steps whose routing differs (the router's features rolled): errors against
     the eager blocks without AC, host reads in the last step, graphs compiled in the last."""
@@ -454,7 +454,7 @@ def _replay_compiled(mesh, rank: int, reads: list) -> dict:
     from torchtitan_omni.distributed.compile import compile_units
 
     torch._dynamo.reset()
-    plain, whole = (_ep_blocks(mesh, 0.0, 1, True) for _ in range(2))
+    plain, whole = (_ep_blocks(mesh, 0.0, 1, True, unit) for _ in range(2))
     compile_units(list(whole), "aot_eager", graph_breaks=True)
     checkpoint_units(list(whole), "full")
     errors, graphs = {}, []
@@ -492,7 +492,9 @@ AC_CASES = {
 
 
 def _all_cases(rank, world):
-    results = {"counts": _counts_case(rank, world), "replay": recorded(_replay_case, rank, world)}
+    results = {"counts": _counts_case(rank, world)}
+    for unit in ("copies", "tokens"):
+        results[f"replay_{unit}"] = recorded(_replay_case, rank, world, unit)
     for name, (unit, factor, chunks, fsdp, compiled, _) in AC_CASES.items():
         results[name] = recorded(_ac_case, rank, world, unit, factor, chunks, fsdp, compiled)
     for name, case in (("order", functools.partial(_backward_order_case, fsdp=False)),
@@ -624,14 +626,15 @@ def test_ac_around_the_expert_exchanges(results, name):
         assert (out["graphs"] > 0) == compiled, out
 
 
-def test_whole_block_recompute_replays_the_split_sizes(results):
+@pytest.mark.parametrize("unit", ["copies", "tokens"])
+def test_whole_block_recompute_replays_the_split_sizes(results, unit):
     """Exact dispatch under full AC of whole MoE blocks (EP2, FSDP-sharded experts): the
     recompute replays the forward's split sizes, so the host reads them once per layer and
     step, as without AC, and the recompute skips the counts exchange (it still exchanges the
     rows: dispatch and combine, 2 all-to-alls per layer more than without AC, not 3). Outputs
     and gradients equal those without AC."""
     for rank, res in enumerate(results):
-        out = res["replay"]
+        out = res[f"replay_{unit}"]
         assert "error" not in out, f"rank {rank}: {out.get('error')}"
         bad = {k: v for k, v in out["errors"].items() if v > RTOL}
         assert not bad, f"rank {rank}: {bad}"
@@ -640,7 +643,8 @@ def test_whole_block_recompute_replays_the_split_sizes(results):
         # compiled in pieces inside the checkpoints, routing changing from step to step: the
         # same, one read per layer and block kind (plain, whole) in the last step, and no
         # recompile once a varying size has been marked dynamic
-        bad = {k: v for k, v in out["compiled_errors"].items() if v > RTOL}
-        assert not bad, f"rank {rank}: {bad}"
-        assert out["compiled_last_reads"] == 2 * AC_LAYERS, out
-        assert out["graphs"][0] > 0 and out["graphs"][2] == out["graphs"][1], out
+        if unit == "copies":
+            bad = {k: v for k, v in out["compiled_errors"].items() if v > RTOL}
+            assert not bad, f"rank {rank}: {bad}"
+            assert out["compiled_last_reads"] == 2 * AC_LAYERS, out
+            assert out["graphs"][0] > 0 and out["graphs"][2] == out["graphs"][1], out

@@ -1,7 +1,8 @@
 """The recompute tape (``torchtitan_omni.distributed.recompute_tape``) under
 ``torch.utils.checkpoint``: what a checkpointed forward records, its recompute replays in order
 (the function runs twice, the recorded source is read once); a recompute asking for more than
-was recorded fails naming it; no tape outside a checkpoint, without grad, or on another thread."""
+was recorded fails naming it; no tape outside a checkpoint, without grad, or on another thread;
+``recorded_or_replayed`` computes once per checkpointed call."""
 
 import itertools
 import threading
@@ -82,3 +83,19 @@ def test_no_tape_outside_a_checkpoint_without_grad_or_on_another_thread():
                context_fn=checkpoint_contexts)
     assert seen["tape"] is not None and seen["other"] is None
     assert active_tape() is None  # restored on leaving
+
+
+def test_recorded_or_replayed_computes_once_per_checkpointed_call():
+    from torchtitan_omni.distributed.recompute_tape import recorded_or_replayed
+
+    source = itertools.count(2)
+
+    def fn(x):
+        return torch.sin(x) * recorded_or_replayed(lambda: next(source))
+
+    assert recorded_or_replayed(lambda: next(source)) == 2  # no tape: computed
+    x = torch.ones(2, requires_grad=True)
+    y = checkpoint(fn, x, use_reentrant=False, context_fn=checkpoint_contexts)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.cos(torch.ones(2)) * 3)  # 3 in both runs
+    assert next(source) == 4

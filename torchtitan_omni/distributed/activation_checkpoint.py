@@ -43,6 +43,8 @@ checkpointing refuses.)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import (
@@ -96,7 +98,7 @@ def checkpoint_units(units: list[nn.Module], mode: str, option: str = "1", *,
     dimension) run without the checkpoint (0: every call is checkpointed)."""
     if mode == "none" or not units:
         return 0
-    kwargs = {"preserve_rng_state": preserve_rng_state, "use_reentrant": False}
+    kwargs: dict[str, Any] = {"preserve_rng_state": preserve_rng_state, "use_reentrant": False}
     if mode == "full":
         every = 1
     elif mode == "selective" and option == "op":

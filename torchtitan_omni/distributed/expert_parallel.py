@@ -56,7 +56,7 @@ from torchtitan_omni.distributed.comm import (
 from torchtitan_omni.distributed.expert_device_splits import DeviceSplitExpertParallelDispatcher
 from torchtitan_omni.distributed.expert_overlap import ChunkedExchange
 from torchtitan_omni.distributed.expert_tokens import TokenExchange, check_header_fits
-from torchtitan_omni.distributed.recompute_tape import active_tape
+from torchtitan_omni.distributed.recompute_tape import recorded_or_replayed
 from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
 from torchtitan_omni.modules.row_maps import permute_rows
 
@@ -124,18 +124,11 @@ class ExpertParallelDispatcher:
     def _sizes(self, counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, list[int], list[int]]:
         """:meth:`_split_sizes`, read on the host, or, in the recompute of a checkpointed
         forward (same routing, same sizes), replayed from the forward's tape."""
-        tape = active_tape()
-        if tape is not None and tape.replaying:
-            recv, in_splits, out_splits = tape.replay()
-            if sum(in_splits) != rows:
-                raise RuntimeError(
-                    f"expert dispatch: the recompute routed {rows} copies where its forward "
-                    f"routed {sum(in_splits)}")
-            return recv, in_splits, out_splits
-        sizes = self._split_sizes(counts)
-        if tape is not None:
-            tape.record(sizes)
-        return sizes
+        recv, in_splits, out_splits = recorded_or_replayed(lambda: self._split_sizes(counts))
+        if sum(in_splits) != rows:
+            raise RuntimeError(f"expert dispatch: {rows} routed copies, but the split sizes "
+                               f"send {sum(in_splits)} (a recompute that routed differently)")
+        return recv, in_splits, out_splits
 
     def _split_sizes(self, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         """Rows received per (source rank, local expert) ``[P, E/P]``, and the rows sent to and

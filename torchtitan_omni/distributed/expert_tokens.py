@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_v, exchange_counts
+from torchtitan_omni.distributed.recompute_tape import recorded_or_replayed
 from torchtitan_omni.modules.row_maps import spread_rows, sum_slots
 
 #: largest local expert id the header carries exactly in bfloat16 (8 bits of mantissa)
@@ -54,6 +55,22 @@ class TokenExchange:
     degree: int
     num_experts: int
 
+    # host values: a graph break under torch.compile, whether read or replayed
+    @torch.compiler.disable
+    def _token_sizes(self, send: torch.Tensor, pairs: torch.Tensor
+                     ) -> tuple[torch.Tensor, list[int]]:
+        """The counts each rank receives ``[ranks, local + 1]`` and the host sizes (rows to and
+        from each rank, copies received): exchanged and read once per layer in the forward,
+        replayed in the recompute of a checkpointed one (``recompute_tape``)."""
+        def read() -> tuple[torch.Tensor, list[int]]:
+            with torch.no_grad():
+                recv = exchange_counts(send, self.group)  # [ranks, local + 1] from each rank
+                local = recv.shape[1] - 1
+                # one host sync: the collective needs the split sizes on the host
+                sizes = torch.cat([pairs, recv[:, local], recv[:, :local].sum().view(1)])
+                return recv, sizes.tolist()
+        return recorded_or_replayed(read)
+
     def run_tokens(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor,
                    indices: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``[N, D]``: each token's router-weighted sum of its ``k`` experts' outputs.
@@ -72,9 +89,7 @@ class TokenExchange:
             touched = (dest.unsqueeze(-1) == rank_ids).any(dim=1)  # [N, ranks]
             pairs = touched.sum(0)  # rows to each rank
             send = torch.cat([counts.to(torch.int64).view(ranks, local), pairs[:, None]], 1)
-            recv = exchange_counts(send, self.group)  # [ranks, local + 1] from each rank
-            # One host sync per layer: the collective needs the split sizes on the host.
-            sizes = torch.cat([pairs, recv[:, local], recv[:, :local].sum().view(1)]).tolist()
+        recv, sizes = self._token_sizes(send, pairs)
         in_splits, out_splits, copies = sizes[:ranks], sizes[ranks:2 * ranks], sizes[-1]
         sent = sum(in_splits)
         with torch.no_grad():

@@ -11,15 +11,19 @@ wait for the GPU in the middle of the backward.
 
 :func:`checkpoint_contexts` is a ``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant):
 each checkpointed call gets its own tape, recording while its forward runs and replaying, in
-call order, while its recompute runs. A module asks :func:`active_tape` which of the two is
-going on (None outside a taped checkpoint). Without grad the forward context is never entered,
+call order, while its recompute runs. A module gets such a value through
+:func:`recorded_or_replayed` (or asks :func:`active_tape` which of the two is going on: None
+outside a taped checkpoint). Without grad the forward context is never entered,
 so nothing is recorded for a recompute that cannot come.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # the forward runs on the caller's thread, the recompute on autograd's: each sets its own
 _local = threading.local()
@@ -77,6 +81,18 @@ class _TapeRunning:
 def active_tape() -> RecomputeTape | None:
     """The tape of the checkpointed call running on this thread, if any."""
     return getattr(_local, "tape", None)
+
+
+def recorded_or_replayed(compute: Callable[[], T]) -> T:
+    """``compute()``, recorded on the active tape in a checkpointed forward; in its recompute,
+    the recorded value instead (``compute`` is not called); outside a tape, ``compute()``."""
+    tape = active_tape()
+    if tape is not None and tape.replaying:
+        return tape.replay()
+    value = compute()
+    if tape is not None:
+        tape.record(value)
+    return value
 
 
 def checkpoint_contexts() -> tuple[_TapeRunning, _TapeRunning]:
