@@ -363,10 +363,12 @@ def _counting_mode():
     return Count()
 
 
-def _ac_step(blocks, rank: int):
-    """One forward and backward of ``blocks`` on ``rank``'s inputs: (output, input grad,
-    all-to-alls)."""
+def _ac_step(blocks, rank: int, roll: int = 0):
+    """One forward and backward of ``blocks`` on ``rank``'s inputs (features rolled by
+    ``roll``: another routing): (output, input grad, all-to-alls)."""
     x, grad = _inputs(rank)
+    if roll:
+        x = x.detach().roll(roll, dims=1).requires_grad_()
     mode = _counting_mode()
     with mode:
         h = x
@@ -421,29 +423,34 @@ def _replay_case(rank: int, world: int, unit: str) -> dict:
     from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
 
     reads = []
-    for module in (expert_parallel, expert_tokens):  # this spawned rank's modules only
-        def counted(*args, _exchange=module.exchange_counts, **kwargs):
+    originals = {m: m.exchange_counts for m in (expert_parallel, expert_tokens)}
+    for module, exchange in originals.items():
+        def counted(*args, _exchange=exchange, **kwargs):
             reads.append(1)
             return _exchange(*args, **kwargs)
         module.exchange_counts = counted
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
-    plain, whole = (_ep_blocks(mesh, 0.0, 1, True, unit) for _ in range(2))
-    assert checkpoint_units(list(whole), "full") == AC_LAYERS
-    out, x_grad, calls = _ac_step(plain, rank)
-    plain_reads = len(reads)
-    whole_out, whole_x_grad, whole_calls = _ac_step(whole, rank)
-    errors = {"out": _error(whole_out, out), "x": _error(whole_x_grad, x_grad)}
-    full = (lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g)
-    for (name, p), q in zip(plain.named_parameters(), whole.parameters()):
-        errors[name] = _error(full(q.grad), full(p.grad))
-    result = {"errors": errors, "calls": calls, "whole_calls": whole_calls,
-              "plain_reads": plain_reads, "whole_reads": len(reads) - plain_reads}
-    if unit == "copies":  # (the tokens dispatcher's pieces are not compiled anywhere yet)
-        result.update(_replay_compiled(mesh, rank, reads, unit))
+    try:
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
+        plain, whole = (_ep_blocks(mesh, 0.0, 1, True, unit) for _ in range(2))
+        assert checkpoint_units(list(whole), "full") == AC_LAYERS
+        out, x_grad, calls = _ac_step(plain, rank)
+        plain_reads = len(reads)
+        whole_out, whole_x_grad, whole_calls = _ac_step(whole, rank)
+        errors = {"out": _error(whole_out, out), "x": _error(whole_x_grad, x_grad)}
+        full = (lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g)
+        for (name, p), q in zip(plain.named_parameters(), whole.parameters()):
+            errors[name] = _error(full(q.grad), full(p.grad))
+        result = {"errors": errors, "calls": calls, "whole_calls": whole_calls,
+                  "plain_reads": plain_reads, "whole_reads": len(reads) - plain_reads}
+        if unit == "copies":  # (the tokens dispatcher's pieces are not compiled anywhere yet)
+            result.update(_replay_compiled(mesh, rank, reads))
+    finally:
+        for module, exchange in originals.items():
+            module.exchange_counts = exchange
     return result
 
 
-def _replay_compiled(mesh, rank: int, reads: list, unit: str) -> dict:
+def _replay_compiled(mesh, rank: int, reads: list) -> dict:
     """The same blocks compiled in pieces (aot_eager) inside their whole-block checkpoints,
     over three steps whose routing differs (the router's features rolled): errors against
     the eager blocks without AC, host reads in the last step, graphs compiled in the last."""
@@ -454,26 +461,18 @@ def _replay_compiled(mesh, rank: int, reads: list, unit: str) -> dict:
     from torchtitan_omni.distributed.compile import compile_units
 
     torch._dynamo.reset()
-    plain, whole = (_ep_blocks(mesh, 0.0, 1, True, unit) for _ in range(2))
+    plain, whole = (_ep_blocks(mesh, 0.0, 1, True) for _ in range(2))
     compile_units(list(whole), "aot_eager", graph_breaks=True)
     checkpoint_units(list(whole), "full")
     errors, graphs = {}, []
     for step in range(3):
-        x, grad = _inputs(rank)
-        x = x.detach().roll(step, dims=1)
-        outs = []
-        for blocks in (plain, whole):
-            xi = x.clone().requires_grad_()
-            h = xi
-            for block in blocks:
-                h = block(h)
-            (h * grad).sum().backward()
-            outs.append((h.detach(), xi.grad))
-        errors[f"step {step} out"] = _error(outs[1][0], outs[0][0])
-        errors[f"step {step} x"] = _error(outs[1][1], outs[0][1])
-        graphs.append(compiled_graph_count())
-        if step == 1:
+        if step == 2:
             last_reads = len(reads)
+        out, x_grad, _ = _ac_step(plain, rank, roll=step)
+        whole_out, whole_x_grad, _ = _ac_step(whole, rank, roll=step)
+        errors[f"step {step} out"] = _error(whole_out, out)
+        errors[f"step {step} x"] = _error(whole_x_grad, x_grad)
+        graphs.append(compiled_graph_count())
     return {"compiled_errors": errors, "compiled_last_reads": len(reads) - last_reads,
             "graphs": graphs}
 

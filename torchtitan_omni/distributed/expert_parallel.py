@@ -122,24 +122,23 @@ class ExpertParallelDispatcher:
     # replayed (traced, the replay specializes on the sizes first: more graphs compiled)
     @torch.compiler.disable
     def _sizes(self, counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, list[int], list[int]]:
-        """:meth:`_split_sizes`, read on the host, or, in the recompute of a checkpointed
-        forward (same routing, same sizes), replayed from the forward's tape."""
-        recv, in_splits, out_splits = recorded_or_replayed(lambda: self._split_sizes(counts))
+        """Rows received per (source rank, local expert) ``[P, E/P]``, and the rows sent to and
+        received from each rank: exchanged and read on the host in the forward, replayed in
+        the recompute of a checkpointed one (same routing, same sizes: ``recompute_tape``)."""
+        def read() -> tuple[torch.Tensor, list[int], list[int]]:
+            local = self.num_experts // self.degree
+            with torch.no_grad():
+                send = counts.to(torch.int64).view(self.degree, local)
+                recv = exchange_counts(send, self.group)
+                # one host sync: the collective needs the split sizes on the host
+                splits = torch.stack([send.sum(1), recv.sum(1)]).cpu()
+            return recv, splits[0].tolist(), splits[1].tolist()
+
+        recv, in_splits, out_splits = recorded_or_replayed(read)
         if sum(in_splits) != rows:
             raise RuntimeError(f"expert dispatch: {rows} routed copies, but the split sizes "
                                f"send {sum(in_splits)} (a recompute that routed differently)")
         return recv, in_splits, out_splits
-
-    def _split_sizes(self, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
-        """Rows received per (source rank, local expert) ``[P, E/P]``, and the rows sent to and
-        received from each rank, read on the host."""
-        local = self.num_experts // self.degree
-        with torch.no_grad():
-            send = counts.to(torch.int64).view(self.degree, local)
-            recv = exchange_counts(send, self.group)
-            # One host sync per layer: the collective needs the split sizes on the host.
-            splits = torch.stack([send.sum(1), recv.sum(1)]).cpu()
-        return recv, splits[0].tolist(), splits[1].tolist()
 
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
         """Return expert outputs to the ranks (and rows) their tokens came from."""
