@@ -21,7 +21,8 @@ BF16_REL = 2e-2
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm())
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm())
 
 
 def test_row_attention_matches_per_document_reference():
@@ -123,6 +124,9 @@ def test_compiled_block_matches_eager_block():
     compile_units(units, "inductor")
     for s, docs in ((1024, [600, 424]), (1536, [1536]), (1280, [100, 1000, 180])):
         x = torch.randn(1, s, 256, device="cuda", dtype=torch.bfloat16)
+        # a random projection: the model ends in an RMSNorm (unit weight), whose output's mean
+        # square is constant, so its input gradient would be rounding noise (norm 4e-8)
+        g = torch.randn(1, s, 256, device="cuda")
         cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
         pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0).cuda()
         meta = AttentionMeta(cu.cuda(), max(docs), pos)
@@ -130,10 +134,10 @@ def test_compiled_block_matches_eager_block():
         for model in (eager, compiled):
             xi = x.clone().requires_grad_()
             out = model(xi, meta)
-            out.float().square().mean().backward()
+            (out.float() * g).sum().backward()
             outs.append((out, xi.grad))
-        assert _rel(outs[1][0], outs[0][0]) < BF16_REL
-        assert _rel(outs[1][1], outs[0][1]) < 5e-2
+        errors = _rel(outs[1][0], outs[0][0]), _rel(outs[1][1], outs[0][1])
+        assert errors[0] < BF16_REL and errors[1] < 5e-2, (s, docs, errors)
 
 
 def test_compiled_moe_block_with_capacity_dispatch_matches_eager():
