@@ -445,6 +445,11 @@ def moe_4gpu() -> list[Point]:
                          cut + _ep(4) + LOG10, workload=workload, steps=30, warmup=10,
                          estimate_s=90), 70)
           for workload in ("long_text", "toy")],
+        # the full 48-layer model (4x H200 only: 31.8B parameters, 7.96B per GPU under EP4 and
+        # FSDP, 118 GiB of fp32 parameters, gradients and AdamW states per GPU before
+        # activations), text at 8K
+        Point("moe_30B-A3B_48L_8k_ep4_text_exact", MOE, 4, 8192, FULL + _ep(4),
+              workload="text", steps=6, warmup=2, estimate_s=180),
     ]
 
 
