@@ -124,10 +124,14 @@ def all_reduce_traceable(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
     return funcol.all_reduce(tensor, reduceOp=op, group=group)
 
 
-def all_to_all_traceable(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Even all-to-all of dim 0 through torch's functional collectives: differentiable (its
-    backward is the reverse exchange) and traced by ``torch.compile``."""
-    return funcol.wait_tensor(funcol.all_to_all_single_autograd(tensor, None, None, group))
+def all_to_all_traceable(tensor: torch.Tensor, group: dist.ProcessGroup,
+                         out_splits: list[int] | None = None,
+                         in_splits: list[int] | None = None) -> torch.Tensor:
+    """All-to-all of dim 0 (even, or by the given split sizes) through torch's functional
+    collectives: differentiable (its backward is the reverse exchange) and traced by
+    ``torch.compile``."""
+    return funcol.wait_tensor(
+        funcol.all_to_all_single_autograd(tensor, out_splits, in_splits, group))
 
 
 def all_to_all_launch(tensor: torch.Tensor, world: int, group_name: str) -> torch.Tensor:

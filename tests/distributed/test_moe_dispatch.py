@@ -442,18 +442,27 @@ def _replay_case(rank: int, world: int, unit: str) -> dict:
             errors[name] = _error(full(q.grad), full(p.grad))
         result = {"errors": errors, "calls": calls, "whole_calls": whole_calls,
                   "plain_reads": plain_reads, "whole_reads": len(reads) - plain_reads}
-        if unit == "copies":  # (the tokens dispatcher's pieces are not compiled anywhere yet)
-            result.update(_replay_compiled(mesh, rank, reads))
+        result.update(_replay_compiled(mesh, rank, reads, unit))
+        if unit == "tokens":
+            recompiling = _replay_compiled(mesh, rank, reads, unit, dynamic_pieces=False)
+            result["recompiling"] = {"errors": recompiling["compiled_errors"],
+                                     "graphs": recompiling["graphs"]}
     finally:
         for module, exchange in originals.items():
             module.exchange_counts = exchange
     return result
 
 
-def _replay_compiled(mesh, rank: int, reads: list) -> dict:
+def _replay_compiled(mesh, rank: int, reads: list, unit: str,
+                     dynamic_pieces: bool = True) -> dict:
     """The same blocks compiled in pieces (aot_eager) inside their whole-block checkpoints,
     over three steps whose routing differs (the router's features rolled): errors against
-    the eager blocks without AC, host reads in the last step, graphs compiled in the last."""
+    the eager blocks without AC, host reads in the last step, graphs compiled in the last.
+    ``dynamic_pieces`` False: compiled as dynamo would by default (sizes specialized until
+    they change, then recompiled), the path that once failed inside dynamo for the token
+    dispatch's split sizes."""
+    from unittest import mock
+
     import torch
 
     from torchtitan_omni.compat import compiled_graph_count
@@ -461,8 +470,14 @@ def _replay_compiled(mesh, rank: int, reads: list) -> dict:
     from torchtitan_omni.distributed.compile import compile_units
 
     torch._dynamo.reset()
-    plain, whole = (_ep_blocks(mesh, 0.0, 1, True) for _ in range(2))
-    compile_units(list(whole), "aot_eager", graph_breaks=True)
+    plain, whole = (_ep_blocks(mesh, 0.0, 1, True, unit) for _ in range(2))
+    compile_fn = torch.compile
+    if dynamic_pieces:
+        compile_units(list(whole), "aot_eager", graph_breaks=True)
+    else:
+        with mock.patch.object(torch, "compile",
+                               lambda fn, **kw: compile_fn(fn, **dict(kw, dynamic=None))):
+            compile_units(list(whole), "aot_eager", graph_breaks=True)
     checkpoint_units(list(whole), "full")
     errors, graphs = {}, []
     for step in range(3):
@@ -641,9 +656,13 @@ def test_whole_block_recompute_replays_the_split_sizes(results, unit):
         assert out["whole_calls"] == out["calls"] + 2 * AC_LAYERS, out
         # compiled in pieces inside the checkpoints, routing changing from step to step: the
         # same, one read per layer and block kind (plain, whole) in the last step, and no
-        # recompile once a varying size has been marked dynamic
-        if unit == "copies":
-            bad = {k: v for k, v in out["compiled_errors"].items() if v > RTOL}
+        # recompile after the first step (the pieces compile with dynamic sizes from the start)
+        bad = {k: v for k, v in out["compiled_errors"].items() if v > RTOL}
+        assert not bad, f"rank {rank}: {bad}"
+        assert out["compiled_last_reads"] == 2 * AC_LAYERS, out
+        assert out["graphs"][0] > 0 and out["graphs"][2] == out["graphs"][0], out
+        if unit == "tokens":  # and compiled with sizes specialized until they change
+            again = out["recompiling"]
+            bad = {k: v for k, v in again["errors"].items() if v > RTOL}
             assert not bad, f"rank {rank}: {bad}"
-            assert out["compiled_last_reads"] == 2 * AC_LAYERS, out
-            assert out["graphs"][0] > 0 and out["graphs"][2] == out["graphs"][1], out
+            assert again["graphs"][2] > again["graphs"][0], again  # it did recompile

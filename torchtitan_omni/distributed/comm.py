@@ -278,6 +278,11 @@ def all_to_all_v(
     _check_splits(x, out_splits, in_splits, group)
     if _host_rows_on_device_group(x, group):
         return all_to_all_v(x.to(local_device()), out_splits, in_splits, group).cpu()
+    if torch.compiler.is_compiling():
+        # torch's functional op carries the (symbolic) sizes into its backward; the Function
+        # below keeps them on ctx, which dynamo fails to do for sizes that entered the frame
+        # as inputs once it recompiled with them dynamic (the token dispatch's combine)
+        return all_to_all_traceable(x, group, list(out_splits), list(in_splits))
     return _AllToAllV.apply(x, list(out_splits), list(in_splits), group)
 
 

@@ -18,7 +18,11 @@ block under expert parallel: its experts are an FSDP unit of their own, whose ho
 never traces, and the exact dispatcher reads split sizes on the host). It is compiled in
 pieces with graph breaks, and *before* activation checkpointing (``compile_units(...,
 graph_breaks=True)``), so the checkpoint wraps the compiled pieces: dynamo cannot split a
-checkpointed region, and a graph break inside one would run the whole block eagerly.
+checkpointed region, and a graph break inside one would run the whole block eagerly. Its
+pieces compile with dynamic sizes from the first batch: the split sizes enter them as host
+integers, each of which would otherwise be specialized until it first changed, so new
+variants kept coming for as long as some size had not yet changed (the token dispatch's
+pieces: two more every other step on CPU, none with dynamic sizes).
 
 ``components = ["loss"]`` compiles the elementwise kernel of the chunked text-head loss
 (``torchtitan_omni.modules.linear_cross_entropy``).
@@ -68,7 +72,8 @@ def compile_units(units: list[nn.Module], backend: str, graph_breaks: bool | Non
         fullgraph = not breaks_graph(unit)
         inner = unit.forward  # the class's forward as it is now (possibly checkpointed)
         extend_class(unit, Compiled, _omni_compiled_forward=torch.compile(
-            inner, backend=backend, fullgraph=fullgraph))
+            inner, backend=backend, fullgraph=fullgraph,
+            dynamic=None if fullgraph else True))
     return len(units)
 
 

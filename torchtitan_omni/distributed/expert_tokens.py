@@ -100,8 +100,8 @@ class TokenExchange:
             here = dest.index_select(0, token_of) == rank_of[:, None]  # [S, k]
             ids = torch.where(here, indices.index_select(0, token_of) - rank_of[:, None] * local,
                               -1)
-        rows = spread_rows(x, token_of, pos, (ranks, n), 0)
-        w = spread_rows(weights, token_of, pos, (ranks, n), 0) * here
+        rows = spread_rows(x, token_of, pos, ranks, 0)
+        w = spread_rows(weights, token_of, pos, ranks, 0) * here
         payload = torch.cat([rows, ids.to(rows.dtype), w.to(rows.dtype)], dim=1)
         received = all_to_all_v(payload, out_splits, in_splits, self.group)
         got = received.shape[0]
@@ -112,7 +112,7 @@ class TokenExchange:
             # the copies grouped by local expert (stable: by source rank, then token)
             order = torch.argsort(key, stable=True)[:copies]
             counts_local = recv[:, :local].sum(0)
-        x_local = spread_rows(x_got, order // k, order, (got, k), 1)
+        x_local = spread_rows(x_got, order // k, order, k, 1)
         y_local = experts(x_local, counts_local)
         # weigh the copies, then sum each received token's copies in a [R, k] slot grid (its
         # empty slots zero): autograd keeps the experts' outputs and weights ([C] rows), not

@@ -258,8 +258,7 @@ def gather_sorted(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Ten
     choice) slot and sums a token's k slots (:func:`~torchtitan_omni.modules.row_maps.spread_rows`:
     no atomic index_add, so deterministic, and no sort).
     """
-    return spread_rows(x, torch.div(order, top_k, rounding_mode="floor"), order,
-                       (x.shape[0], top_k), 1)
+    return spread_rows(x, torch.div(order, top_k, rounding_mode="floor"), order, top_k, 1)
 
 
 def combine(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

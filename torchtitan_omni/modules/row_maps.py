@@ -34,9 +34,14 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> 
 
 class _SpreadRows(Function):
     @staticmethod
-    def forward(ctx, src, rows, slots, layout: tuple[int, int], sum_dim: int):
+    def forward(ctx, src, rows, slots, copies: int, sum_dim: int):
         ctx.save_for_backward(slots)
-        ctx.layout, ctx.sum_dim = layout, sum_dim
+        # the grid's other side is src's row count, read here: a size computed outside and
+        # passed in is, under dynamic shapes, a node of the caller's graph, which dynamo cannot
+        # save from this function's graph (it failed so in the token dispatch)
+        n = src.shape[0]
+        ctx.layout = (n, copies) if sum_dim == 1 else (copies, n)
+        ctx.sum_dim = sum_dim
         return src.index_select(0, rows)
 
     @staticmethod
@@ -45,14 +50,14 @@ class _SpreadRows(Function):
         return sum_slots(grad, slots, ctx.layout, ctx.sum_dim), None, None, None, None
 
 
-def spread_rows(src: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                layout: tuple[int, int], sum_dim: int) -> torch.Tensor:
+def spread_rows(src: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, copies: int,
+                sum_dim: int) -> torch.Tensor:
     """``src.index_select(0, rows)`` where ``rows`` repeat ``src``'s rows: output row i stands
-    at position ``slots[i]`` (distinct) of a ``layout = (a, b)`` grid of copies of ``src``,
-    repeated along ``sum_dim`` (e.g. a token's k routed copies: ``rows = slots // k``, layout
-    ``(tokens, k)``, ``sum_dim`` 1). The backward places each gradient row at its slot and sums
-    the grid over ``sum_dim``."""
-    return _SpreadRows.apply(src, rows, slots, layout, sum_dim)
+    at position ``slots[i]`` (distinct) of a grid of ``copies`` copies of ``src`` stacked along
+    ``sum_dim`` (``(len(src), copies)`` for ``sum_dim`` 1, ``(copies, len(src))`` for 0; e.g. a
+    token's k routed copies: ``rows = slots // k``, ``copies`` k, ``sum_dim`` 1). The backward
+    places each gradient row at its slot and sums the grid over ``sum_dim``."""
+    return _SpreadRows.apply(src, rows, slots, copies, sum_dim)
 
 
 def sum_slots(rows: torch.Tensor, slots: torch.Tensor, layout: tuple[int, int],
