@@ -396,6 +396,9 @@ def moe_4gpu() -> list[Point]:
         Point("moe_30B-A3B_12L_8k_ep4_text_exact_tokens_keep_exchanges", MOE, 4, 8192,
               cut + _ep(4) + TOKENS + KEEP_EXCHANGES,
               workload="text", estimate_s=80),
+        # the token dispatch compiled (it compiles since b28e3b0)
+        compiled(Point("moe_30B-A3B_12L_8k_ep4_text_exact_tokens", MOE, 4, 8192,
+                       cut + _ep(4) + TOKENS, workload="text", estimate_s=80), 70),
         # the toy rows with the encoders replicated (no per-block FSDP collectives) and not
         # checkpointed: how much of the media path's fixed cost those take
         *[Point(f"moe_30B-A3B_12L_8k_ep4_{workload}_exact_encoders_replicated_no_ac", MOE, 4,
