@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing import forkserver
@@ -86,7 +87,9 @@ def recorded(fn, *args, **kwargs):
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+    Ranks still running after ``timeout`` seconds (all ranks together) are killed and
+    reported as hung."""
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = _context()
         port, env = free_port(), dict(os.environ)
@@ -94,8 +97,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
                  for r in range(world_size)]
         for p in procs:
             p.start()
+        # one deadline for all ranks: ranks left waiting in a collective that a failed rank
+        # never joined hang together, and joining each for ``timeout`` would wait N times it
+        deadline = time.monotonic() + timeout
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
