@@ -125,6 +125,12 @@ def run_case(name: str, grid: list[list[int]], args: VisionArgs, device: torch.d
     # from an eager pass on the default stream (cudaErrorStreamCaptureImplicit, 2026-11-27)
     ref_out = ref_out.detach()
     ref_grads = [p.grad.clone() for p in params]
+    # the noise floor of the graphed pass's check: a second eager pass (bf16 gradients whose
+    # kernels accumulate in a varying order, e.g. the attention backward's dq)
+    for p in params:
+        p.grad = None
+    tower(*inputs).backward(grad)
+    rows[0]["grad_diff"] = max(relative_difference(p.grad, g) for p, g in zip(params, ref_grads))
     graphed = torch.cuda.make_graphed_callables(tower, inputs)
     for p in params:
         p.grad = None
@@ -158,8 +164,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("| case | patches | mode | GPU ms (fwd+bwd) | host ms | check |\n"
           "| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        check = (f"output / gradients vs eager {r['out_diff']:.1e} / {r['grad_diff']:.1e}"
-                 if "out_diff" in r else f"output vs lm_encode {r['vs_lm_encode']:.1e}")
+        if "out_diff" in r:
+            check = f"output / gradients vs eager {r['out_diff']:.1e} / {r['grad_diff']:.1e}"
+        else:
+            check = f"output vs lm_encode {r['vs_lm_encode']:.1e}"
+            if "grad_diff" in r:
+                check += f"; gradients vs a second eager pass {r['grad_diff']:.1e}"
         print(f"| {r['case']} | {r['patches']:,} | {r['mode']} | {r['gpu_ms']:.2f} | "
               f"{r['host_ms']:.2f} | {check} |")
     return rows
