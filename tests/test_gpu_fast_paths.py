@@ -2,7 +2,8 @@
 (cuDNN/flash SDPA) for single-document rows, packed attention on FlashAttention-2's varlen
 kernels (and per-op checkpointing keeping its output), the chunked text-head loss, and a compiled
 Llama block and a compiled Qwen3-MoE block with capacity-padded dispatch (one graph each, per-op
-activation checkpointing inside) against the eager blocks. Skipped without a GPU."""
+activation checkpointing inside) against the eager blocks; float8 block linears (TorchTitan's
+converter, torch's float8 matmuls) near bf16. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -106,38 +107,60 @@ def test_chunked_loss_matches_reference():
     assert _rel(hc.grad, hr.grad) < BF16_REL and _rel(wc.grad, wr.grad) < BF16_REL
 
 
-def test_compiled_block_matches_eager_block():
-    from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
-    from torchtitan_omni.distributed.compile import compile_units
+def _small_llama() -> torch.nn.Module:
+    """A 2-layer Llama-3 foundation (dim 256) in bf16 on the GPU."""
     from torchtitan_omni.foundations.llama3 import Llama3, Llama3Args
     from torchtitan_omni.modules.init import init_context
 
     args = Llama3Args(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
                       ffn_hidden_dim=512, rope_scaling=None, max_seq_len=4096)
-    eager = Llama3(args)
-    with init_context(eager, seed=0):
-        eager.init_weights(torch.device("cuda"))
-    eager = eager.cuda().bfloat16()
+    model = Llama3(args)
+    with init_context(model, seed=0):
+        model.init_weights(torch.device("cuda"))
+    return model.cuda().bfloat16()
+
+
+def _run_both(reference: torch.nn.Module, other: torch.nn.Module,
+              docs: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each model's output and input gradient on one packed row of ``docs`` (the same random
+    input, a random projection of the output as the loss)."""
+    s = sum(docs)
+    x = torch.randn(1, s, 256, device="cuda", dtype=torch.bfloat16)
+    # a random projection: the model ends in an RMSNorm (unit weight), whose output's mean
+    # square is constant, so its input gradient would be rounding noise (norm 4e-8)
+    g = torch.randn(1, s, 256, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0).cuda()
+    meta = AttentionMeta(cu.cuda(), max(docs), pos)
+    outs = []
+    for model in (reference, other):
+        xi = x.clone().requires_grad_()
+        out = model(xi, meta)
+        (out.float() * g).sum().backward()
+        outs.append((out, xi.grad))
+    return outs
+
+
+def _relative_errors(reference: torch.nn.Module, other: torch.nn.Module,
+                     docs: list[int]) -> tuple[float, float]:
+    """Relative difference of ``other``'s output and input gradient from ``reference``'s
+    (:func:`_run_both`)."""
+    (out, grad), (out_other, grad_other) = _run_both(reference, other, docs)
+    return _rel(out_other, out), _rel(grad_other, grad)
+
+
+def test_compiled_block_matches_eager_block():
+    from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+    from torchtitan_omni.distributed.compile import compile_units
+
+    eager = _small_llama()
     compiled = copy.deepcopy(eager)
     units = list(compiled.layers.values())
     checkpoint_units(units, "selective", "op")
     compile_units(units, "inductor")
-    for s, docs in ((1024, [600, 424]), (1536, [1536]), (1280, [100, 1000, 180])):
-        x = torch.randn(1, s, 256, device="cuda", dtype=torch.bfloat16)
-        # a random projection: the model ends in an RMSNorm (unit weight), whose output's mean
-        # square is constant, so its input gradient would be rounding noise (norm 4e-8)
-        g = torch.randn(1, s, 256, device="cuda")
-        cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
-        pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0).cuda()
-        meta = AttentionMeta(cu.cuda(), max(docs), pos)
-        outs = []
-        for model in (eager, compiled):
-            xi = x.clone().requires_grad_()
-            out = model(xi, meta)
-            (out.float() * g).sum().backward()
-            outs.append((out, xi.grad))
-        errors = _rel(outs[1][0], outs[0][0]), _rel(outs[1][1], outs[0][1])
-        assert errors[0] < BF16_REL and errors[1] < 5e-2, (s, docs, errors)
+    for docs in ([600, 424], [1536], [100, 1000, 180]):
+        errors = _relative_errors(eager, compiled, docs)
+        assert errors[0] < BF16_REL and errors[1] < 5e-2, (docs, errors)
 
 
 def test_compiled_moe_block_with_capacity_dispatch_matches_eager():
@@ -163,23 +186,43 @@ def test_compiled_moe_block_with_capacity_dispatch_matches_eager():
     checkpoint_units(units, "selective", "op")
     compile_units(units, "inductor")
     total_dropped = 0
-    for s, docs in ((1024, [600, 424]), (1536, [1536]), (1280, [100, 1000, 180])):
-        x = torch.randn(1, s, 256, device="cuda", dtype=torch.bfloat16)
-        # a random projection: the mean square of a normalized output has no gradient
-        g = torch.randn(1, s, 256, device="cuda")
-        cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
-        pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0).cuda()
-        meta = AttentionMeta(cu.cuda(), max(docs), pos)
-        outs = []
-        for model in (eager, compiled):
-            xi = x.clone().requires_grad_()
-            out = model(xi, meta)
-            (out.float() * g).sum().backward()
-            outs.append((out, xi.grad, model.moe_counts()))
+    for docs in ([600, 424], [1536], [100, 1000, 180]):
+        outs = _run_both(eager, compiled, docs)
         assert _rel(outs[1][0], outs[0][0]) < BF16_REL
         assert _rel(outs[1][1], outs[0][1]) < 5e-2
         # bf16 routing of near-tied experts may differ between the two: drops within 1%
-        dropped = [int(o[2][1].sum()) for o in outs]
-        assert abs(dropped[0] - dropped[1]) <= 0.01 * int(outs[0][2][0].sum()), dropped
+        counts = [model.moe_counts() for model in (eager, compiled)]
+        dropped = [int(c[1].sum()) for c in counts]
+        assert abs(dropped[0] - dropped[1]) <= 0.01 * int(counts[0][0].sum()), dropped
         total_dropped += dropped[0]
     assert total_dropped > 0, "the capacity never bound: nothing was tested"
+
+
+def test_float8_foundation_matches_bf16():
+    """TorchTitan's float8 converter as the trainer applies it (either name, the omni filters):
+    on a Hopper GPU the block linears run torch's float8 matmuls (not emulated), and the
+    foundation's output and input gradient stay near the bf16 model's (tensorwise e4m3/e5m2
+    scaling: a few percent, not bit equality)."""
+    pytest.importorskip("torchao.float8")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matmuls need compute capability >= 8.9")
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+    from torchtitan_omni.components.quantization import prepare_float8
+    from torchtitan_omni.config.manager import parse_job_config
+    from tests.harness import REPO
+
+    job = parse_job_config(["--job.config_file", str(REPO / "train_configs/llama_omni_debug.toml"),
+                            "--model.converters", "float8"])
+    prepare_float8(job)
+
+    class Dims:
+        dp_shard_enabled = False
+
+    plain = _small_llama()
+    fp8 = copy.deepcopy(plain)
+    Float8LinearConverter(job, Dims()).convert(fp8)
+    swapped = {n: m for n, m in fp8.named_modules() if type(m).__name__ == "Float8Linear"}
+    assert len([n for n in swapped if n.startswith("layers.")]) == 2 * 7  # q k v o, w1 w2 w3
+    assert not any(m.config.emulate for m in swapped.values())
+    errors = _relative_errors(plain, fp8, [600, 424])
+    assert 0 < errors[0] < 0.1 and 0 < errors[1] < 0.2, errors

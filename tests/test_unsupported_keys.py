@@ -181,9 +181,16 @@ VALUE_CASES = [
     (("--profiling.enable_memory_snapshot",), "runs on CPU"),
     (("--compile.components", "model,graph"), "compile.components has 'graph'"),
     (("--model.converters", "mx"), "model.converters has 'mx'"),
-    (("--model.converters", "float8"), "'float8' needs a CUDA GPU, but this job runs on CPU"),
+    (("--model.converters", "float8"), "float8 needs a CUDA GPU, but this job runs on CPU"),
+    (("--model.converters", "quantize.linear.float8"),
+     "float8 needs a CUDA GPU, but this job runs on CPU"),
+    (("--model.converters", "quantize.grouped_mm.float8"),
+     "model.converters has 'quantize.grouped_mm.float8'"),
+    (("--model.converters", "float8", "--quantize.linear.float8.emulate", "--compile.enable"),
+     "emulated float8 on CPU runs eagerly only"),
     (("--quantize.linear.float8.filter_fqns", "output"),
-     "quantize.linear.float8.filter_fqns only applies with model.converters = ['float8']"),
+     "quantize.linear.float8.filter_fqns only applies with model.converters = "
+     "['quantize.linear.float8'] (or 'float8')"),
     (("--quantize.linear.float8.recipe_name", "rowwise"),
      "quantize.linear.float8.recipe_name only applies with model.converters"),
     (("--activation_checkpoint.mode", "memory_budget"),
@@ -248,7 +255,7 @@ def on_gpu(monkeypatch):
 
 def test_float8_needs_torchao(on_gpu):
     on_gpu.setitem(sys.modules, "torchao", None)  # "import torchao" raises ImportError
-    assert "'float8' needs torchao, which cannot be imported" in _refused_line(
+    assert "float8 needs torchao, which cannot be imported" in _refused_line(
         "--model.converters", "float8")
 
 

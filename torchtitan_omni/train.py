@@ -51,7 +51,7 @@ from torchtitan_omni.config.manager import parse_job_config_or_exit
 from torchtitan_omni.components.inputs import ModelInputs, model_inputs
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS
 from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
-from torchtitan_omni.components.quantization import add_omni_float8_filters
+from torchtitan_omni.components.quantization import prepare_float8
 from torchtitan_omni.distributed.boundary import balance_metrics
 from torchtitan_omni.distributed.compile import compiled_graphs
 from torchtitan_omni.distributed.encoder_schedule import run_micro_batches
@@ -94,7 +94,7 @@ class OmniTrainer(Trainer):
     """TorchTitan's trainer for omni batches (see the module docstring)."""
 
     def __init__(self, job_config: JobConfig) -> None:
-        float8 = add_omni_float8_filters(job_config)
+        float8 = prepare_float8(job_config)
         with titan_checkpointer_off(job_config):  # ours replaces it (checkpoint.trainer_setup)
             super().__init__(job_config)
         if float8:

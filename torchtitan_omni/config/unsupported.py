@@ -76,8 +76,9 @@ _PP = "pipeline parallel is not provided (world = dp_replicate x dp_shard x ulys
 _CP = "context parallel is not provided; use parallelism.ulysses_degree"
 _AC_ARGS = "not passed to torch.utils.checkpoint by torchtitan-omni's activation checkpointing"
 _BUDGET = "only read by activation_checkpoint.mode 'memory_budget', which is not supported"
-_FLOAT8 = "TorchTitan's float8 converter; only together with model.converters = ['float8']"
-_MX = "MX formats are not supported; model.converters takes only 'float8'"
+_FLOAT8 = ("TorchTitan's float8 converter; only together with model.converters = "
+           "['quantize.linear.float8'] (or 'float8')")
+_MX = "MX formats are not supported; model.converters takes only float8"
 _FT = "TorchFT fault tolerance is not integrated; resume from checkpoints (checkpoint.enable)"
 _VALIDATION = (
     "read by the omni validator (torchtitan_omni.eval.validator) when validation.enable; "
@@ -119,7 +120,8 @@ KEYS: dict[str, Rule] = {
     "model.tokenizer_path": honoured(
         "deprecated alias: TorchTitan's config parser copies it into model.hf_assets_path"),
     "model.converters": checked(
-        f"{_TRAINER} applies them; only 'float8', with torchao, on a GPU of capability >= 8.9",
+        f"{_TRAINER} applies them; only float8 ('quantize.linear.float8' or 'float8'), with "
+        "torchao, on a GPU of capability >= 8.9 (emulated also on CPU)",
         V.converters),
     "model.print_after_conversion": honoured(f"{_TRAINER} (its converter container)"),
     # ------------------------------------------------------------ [optimizer]

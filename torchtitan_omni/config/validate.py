@@ -24,6 +24,7 @@ from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import get_train_spec
 
 import torchtitan_omni.models  # noqa: F401  (registers the zoo's specs, which are checked here)
+from torchtitan_omni.components.quantization import uses_float8
 from torchtitan_omni.config.noncolocated import model_ranks_problem, ranks_problem
 from torchtitan_omni.config.parts import table_problem
 from torchtitan_omni.config.unsupported import check_values, refuse_unsupported
@@ -303,8 +304,8 @@ def _validate_lora(cfg: JobConfig, spec, args) -> None:
         raise ConfigError(f"lora.alpha must be > 0, got {lora.alpha}")
     if not 0 <= lora.dropout < 1:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
-    if "float8" in cfg.model.converters:
-        raise ConfigError("lora.enable with model.converters = ['float8'] is not supported: "
+    if uses_float8(cfg.model.converters):
+        raise ConfigError("lora.enable with float8 model.converters is not supported: "
                           "adapters go on plain linears; train LoRA in bf16")
     if lora.save_adapter_only and cfg.checkpoint.initial_load_path:
         raise ConfigError(

@@ -18,9 +18,9 @@ import torch
 from torchtitan.config import JobConfig
 
 from torchtitan_omni import platform
+from torchtitan_omni.components.quantization import FLOAT8_NAMES, uses_float8
 from torchtitan_omni.eval.validator import validation_problem
 
-FLOAT8 = "float8"
 COMPILE_COMPONENTS = ("model", "loss")
 FLOAT8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
 
@@ -193,32 +193,42 @@ def cuda_capability() -> tuple[int, int]:
 
 
 def converters(value, cfg, ctx) -> str | None:
-    """Only TorchTitan's float8 converter, on a GPU that has float8 tensor cores."""
+    """Only TorchTitan's float8 converter (by its key or its short name), on a GPU that has
+    float8 tensor cores; emulated (``quantize.linear.float8.emulate``) also on CPU, as
+    TorchTitan allows it without compile (a test of the path, no speed)."""
     for name in value:
-        if name != FLOAT8:
-            return (f"has {name!r}: torchtitan-omni supports only 'float8' (the foundation's "
-                    "linear layers through TorchTitan's converter)")
-    if FLOAT8 not in value:
+        if name not in FLOAT8_NAMES:
+            return (f"has {name!r}: torchtitan-omni supports only float8 linears in the "
+                    f"foundation's blocks ({' or '.join(map(repr, FLOAT8_NAMES))}, TorchTitan's "
+                    "converter)")
+    if not uses_float8(value):
         return None
-    if platform.is_cpu():
-        return ("'float8' needs a CUDA GPU, but this job runs on CPU (TORCHTITAN_OMNI_DEVICE=cpu "
-                "or no GPU visible)")
+    emulate = cfg.quantize.linear.float8.emulate
+    if platform.is_cpu() and not emulate:
+        return ("float8 needs a CUDA GPU, but this job runs on CPU (TORCHTITAN_OMNI_DEVICE=cpu "
+                "or no GPU visible); quantize.linear.float8.emulate runs its numerics there")
+    if platform.is_cpu() and cfg.compile.enable:
+        return ("emulated float8 on CPU runs eagerly only (TorchTitan's rule): turn "
+                "compile.enable off")
     try:
         importlib.import_module("torchao")
     except Exception as e:  # noqa: BLE001  (a torchao built for another torch fails otherwise)
-        return f"'float8' needs torchao, which cannot be imported ({type(e).__name__}: {e})"
+        return f"float8 needs torchao, which cannot be imported ({type(e).__name__}: {e})"
+    if platform.is_cpu():
+        return None
     major, minor = cuda_capability()
-    if (major, minor) < FLOAT8_MIN_CAPABILITY and not cfg.quantize.linear.float8.emulate:
-        return (f"'float8' needs a GPU of compute capability >= 8.9 (Ada, Hopper or newer), "
+    if (major, minor) < FLOAT8_MIN_CAPABILITY and not emulate:
+        return (f"float8 needs a GPU of compute capability >= 8.9 (Ada, Hopper or newer), "
                 f"this one has {major}.{minor} (quantize.linear.float8.emulate tests it there)")
     return None
 
 
 def needs_float8(value, cfg, ctx) -> str | None:
     """A float8 setting means nothing without the float8 converter."""
-    if FLOAT8 in cfg.model.converters:
+    if uses_float8(cfg.model.converters):
         return None
-    return "only applies with model.converters = ['float8'], which this job does not set"
+    return ("only applies with model.converters = ['quantize.linear.float8'] (or 'float8'), "
+            "which this job does not set")
 
 
 # ----------------------------------------------------------------- checkpoints
