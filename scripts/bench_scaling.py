@@ -222,6 +222,12 @@ LOG10 = ("--metrics.log_freq", "10")
 # encoder AC on every call, small ones too (the configs exempt calls under 1,024 rows)
 EVERY_ENCODER_CALL_AC = ("--omni.encoder_checkpoint_min_tokens", "0")
 KEEP_EXCHANGES = ("--parallelism.expert_ac_keep_exchanges",)  # AC around the EP exchanges
+#: float8 linears (TorchTitan's converter, tensorwise scales) with FSDP's float8 all-gather and
+#: the scales precomputed after the optimizer step: TorchTitan's recommended float8 setting
+FLOAT8 = ("--model.converters", "quantize.linear.float8",
+          "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+          "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp")
+NO_AC = ("--activation_checkpoint.mode", "none")
 
 
 def compiled(point: Point, estimate_s: int = 60) -> Point:
@@ -323,6 +329,12 @@ def llama_4gpu() -> list[Point]:
               ("--activation_checkpoint.mode", "selective",
                "--activation_checkpoint.selective_ac_option", "2") + _sp(4), steps=6, warmup=2,
               workload="realistic", estimate_s=110),
+        # the selective-AC 64K point compiled, in bf16 and with float8 linears (4x H200: 40.9%
+        # model-FLOPs MFU eager, eleventh session; compiling took the 8K realistic rows from
+        # 29.6% to 39.1% on 2x H200)
+        *with_float8(compiled(Point("omni_8B_64k_sp4_realistic", LLAMA8B, 4, 65536,
+                                    SEL + _sp(4), steps=8, warmup=3, workload="realistic",
+                                    estimate_s=110), 90)),
         # a log line every 10 steps (as omni_2gpu's *_log10 points), and the toy rows with
         # the encoders replicated
         *[Point(f"omni_8B_8k_{workload}_log10", LLAMA8B, 4, 8192, SEL + LOG10, steps=30,
@@ -339,7 +351,31 @@ def llama_4gpu() -> list[Point]:
                              ("encoders_no_ac", NO_ENCODER_AC),
                              ("encoder_ac_every_call", EVERY_ENCODER_CALL_AC),
                              ("encoder_ac_op", OP_ENCODER_AC))],
+        *float8_points(4),
     ]
+
+
+def float8_points(ngpu: int) -> list[Point]:
+    """Float8 linears in the foundation's blocks (compiled, as TorchTitan runs float8), each
+    next to the same point compiled in bf16: stock TorchTitan and the omni text-only rows (the
+    converter alone), then the realistic rows (model-FLOPs MFU against the bf16 peak: float8 is
+    how it can pass stock TorchTitan's bf16 text MFU)."""
+    fsdp = f"fsdp{ngpu}"
+    pairs = [
+        Point(f"stock_llama3_8B_8k_{fsdp}", "8B", ngpu, 8192, SEL, steps=12, stock=True,
+              estimate_s=70),
+        Point(f"omni_8B_8k_{fsdp}_text_only", LLAMA8B, ngpu, 8192, SEL, steps=12,
+              workload="text", estimate_s=80),
+        Point(f"omni_8B_8k_{fsdp}_realistic", LLAMA8B, ngpu, 8192, SEL, steps=12,
+              workload="realistic", estimate_s=90),
+    ]
+    return [q for p in pairs for q in with_float8(compiled(p, 70))]
+
+
+def with_float8(point: Point) -> list[Point]:
+    """A point and its float8 variant (``<name>_float8``: :data:`FLOAT8` added)."""
+    return [point, dataclasses.replace(point, name=f"{point.name}_float8",
+                                       args=point.args + FLOAT8)]
 
 
 def moe_4gpu() -> list[Point]:
@@ -453,6 +489,15 @@ def moe_4gpu() -> list[Point]:
         # activations), text at 8K
         Point("moe_30B-A3B_48L_8k_ep4_text_exact", MOE, 4, 8192, FULL + _ep(4),
               workload="text", steps=6, warmup=2, estimate_s=180),
+        # the part of the step that does not grow with tokens (0.12 s of 0.43 s at 8K, eleventh
+        # session: the compute stream waiting on the exchanges, 12 host syncs a step) without
+        # activation checkpointing (8K peaks at 38 of 80 GiB with full AC; no recompute: 4
+        # exchanges per layer and step instead of 6), and with the NVSHMEM exchange (no host
+        # sync per layer); text at 8K and 16K each
+        *[Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep4_text_exact_{tag}", MOE, 4, seq,
+                _layers(12) + flags + _ep(4), workload="text", estimate_s=80)
+          for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM))
+          for seq in (8192, 16384)],
     ]
 
 
