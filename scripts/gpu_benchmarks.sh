@@ -16,7 +16,8 @@
 #
 # EXTRA="<arguments>" appends trainer arguments to every point (bench_scaling.py --extra), e.g.
 # EXTRA="--profiling.enable_profiling --profiling.profile_freq 20" with a 30-step point profiles
-# its step 20 (summarized into traces.txt).
+# its step 20 (summarized into traces.txt); KEEP_TRACES=1 brings the raw rank-0 traces back
+# too (gzipped, in traces.tar, dropped if over 16 MiB: profile one or two points then).
 #
 # BASELINE_TREE=<folder> runs each argument's points again in an older tree right after this
 # tree's (the same call, so the ratio is fair), its tables as baseline_*.md; make it before the
@@ -83,8 +84,18 @@ done
 for rows in "$out"/*.json; do [ -f "$rows" ] && mv "$rows" "$logs/"; done
 tar -czf "$out/logs.tar.gz" -C "$logs" . 2>/dev/null
 for trace in outputs/bench_*/profile_traces/*/rank0_trace.json; do
-  [ -f "$trace" ] && python3 scripts/summarize_trace.py --top 15 "$trace" >> "$out/traces.txt"
+  [ -f "$trace" ] || continue
+  python3 scripts/summarize_trace.py --top 15 "$trace" >> "$out/traces.txt"
+  if [ -n "${KEEP_TRACES:-}" ]; then  # the raw traces too, gzipped, one archive (under 16 MiB)
+    point=${trace#outputs/bench_}
+    mkdir -p "$logs/traces" && gzip -c "$trace" > "$logs/traces/${point%%/*}_rank0_trace.json.gz"
+  fi
 done
+if [ -d "$logs/traces" ]; then
+  tar -cf "$out/traces.tar" -C "$logs/traces" . 2>/dev/null
+  size=$(stat -c %s "$out/traces.tar")
+  [ "$size" -le 16000000 ] || { rm -f "$out/traces.tar"; echo "gpu_benchmarks: traces.tar ($size bytes) over the 16 MiB a file may bring back" | tee -a "$out/skipped.txt"; }
+fi
 for table in "$out"/*.md; do
   echo "== $table"
   grep -v '^- `' "$table" | head -40
