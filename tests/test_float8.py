@@ -6,6 +6,7 @@ it)."""
 
 from __future__ import annotations
 
+import copy
 import sys
 import types
 
@@ -119,3 +120,53 @@ def test_trainer_with_emulated_float8_on_cpu():
     assert a != b  # float8 rounding took effect
     for x, y in zip(a, b):
         assert abs(x - y) < 0.02 * abs(x), (a, b)
+
+
+def calls_in_backward(block: torch.nn.Module, x: torch.Tensor, *ops) -> tuple[int, torch.Tensor]:
+    """How many times the backward of ``block(x).square().sum()`` runs one of ``ops`` (the
+    recompute's calls among them), and the input's gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in ops:
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    x = x.clone().requires_grad_()
+    out = block(x)
+    with Count():
+        out.float().square().sum().backward()
+    return Count.calls, x.grad
+
+
+def float8_block(emulate: bool) -> torch.nn.Module:
+    """Two linears with a GELU between, converted to torchao's float8 linears."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
+                                torch.nn.Linear(128, 64))
+    convert_to_float8_training(block, config=Float8LinearConfig(emulate=emulate))
+    return block
+
+
+def test_per_op_checkpointing_keeps_float8_scales(monkeypatch):
+    """Per-op selective AC keeps the amax a float8 linear scales by (a scalar) instead of
+    recomputing it from the whole input in the backward; gradients are the same either way."""
+    pytest.importorskip("torchao.float8")
+    from torchtitan_omni.distributed import activation_checkpoint as ac
+
+    block = float8_block(emulate=True)
+    recomputing = copy.deepcopy(block)
+    ac.checkpoint_units([block], "selective", "op")
+    x = torch.randn(32, 64)
+    op = torch.ops.aten.max.default
+    kept, grad = calls_in_backward(block, x, op)
+    monkeypatch.setattr(ac, "_SAVE_OVERLOADS", set())
+    ac.checkpoint_units([recomputing], "selective", "op")
+    again, grad_again = calls_in_backward(recomputing, x, op)
+    assert kept < again, (kept, again)
+    torch.testing.assert_close(grad, grad_again, rtol=0, atol=0)

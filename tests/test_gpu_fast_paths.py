@@ -226,3 +226,25 @@ def test_float8_foundation_matches_bf16():
     assert not any(m.config.emulate for m in swapped.values())
     errors = _relative_errors(plain, fp8, [600, 424])
     assert 0 < errors[0] < 0.1 and 0 < errors[1] < 0.2, errors
+
+
+def test_per_op_checkpointing_keeps_float8_matmuls():
+    """Under per-op AC a float8 linear's forward matmul is kept, not run again in the
+    backward: the backward runs two per linear (input and weight gradients), three if the
+    recompute repeated the forward's. (Eager, a dispatch mode sees the float8 tensors' ``mm``;
+    traced for compile, torch's ``_scaled_mm``: the policy keeps both.)"""
+    pytest.importorskip("torchao.float8")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matmuls need compute capability >= 8.9")
+    from tests.test_float8 import calls_in_backward, float8_block
+    from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+
+    block = float8_block(emulate=False).cuda().bfloat16()
+    plain = copy.deepcopy(block)
+    checkpoint_units([block], "selective", "op")
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    ops = (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
+    calls, grad = calls_in_backward(block, x, *ops)
+    assert calls == 2 * 2, calls
+    _, grad_plain = calls_in_backward(plain, x, *ops)
+    assert _rel(grad, grad_plain) < 1e-3

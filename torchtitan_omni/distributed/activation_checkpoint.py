@@ -57,17 +57,23 @@ from torchtitan_omni.distributed.expert_parallel import expert_parallel_layers
 from torchtitan_omni.distributed.recompute_tape import checkpoint_contexts
 from torchtitan_omni.modules.wrapping import extend_class
 
+# Per-op selective checkpointing keeps the outputs of these ops (by name, every overload):
+# matmuls (float8 linears run ``_scaled_mm`` on GPUs; emulated float8 runs ``mm``) and
+# attention. The rest is recomputed.
 _SAVE_OPS = {
-    "mm", "addmm", "bmm", "baddbmm", "_grouped_mm",
+    "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_flash_attention_forward", "_efficient_attention_forward",
 }
+# ... and of these overloads: a whole tensor's max is what float8 scales come from (a scalar
+# to keep, as TorchTitan's list does; ``max.dim`` and the like are recomputed)
+_SAVE_OVERLOADS = {torch.ops.aten.max.default}
 
 
 def _op_policy(ctx, op, *args, **kwargs):
     packet = getattr(op, "overloadpacket", None)
-    if packet is not None and packet.__name__ in _SAVE_OPS:
+    if (packet is not None and packet.__name__ in _SAVE_OPS) or op in _SAVE_OVERLOADS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
