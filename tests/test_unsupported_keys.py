@@ -187,7 +187,7 @@ VALUE_CASES = [
     (("--model.converters", "quantize.grouped_mm.float8"),
      "model.converters has 'quantize.grouped_mm.float8'"),
     (("--model.converters", "float8", "--quantize.linear.float8.emulate", "--compile.enable"),
-     "emulated float8 on CPU runs eagerly only"),
+     "emulated float8 runs eagerly only"),
     (("--quantize.linear.float8.filter_fqns", "output"),
      "quantize.linear.float8.filter_fqns only applies with model.converters = "
      "['quantize.linear.float8'] (or 'float8')"),
@@ -265,6 +265,8 @@ def test_float8_needs_compute_capability_8_9(on_gpu):
     line = _refused_line("--model.converters", "float8")
     assert "compute capability >= 8.9" in line and "this one has 8.0" in line
     _parse("--model.converters", "float8", "--quantize.linear.float8.emulate")
+    assert "emulated float8 runs eagerly only" in _refused_line(
+        "--model.converters", "float8", "--quantize.linear.float8.emulate", "--compile.enable")
 
 
 def test_compile_refuses_async_ulysses(monkeypatch):

@@ -204,22 +204,22 @@ def converters(value, cfg, ctx) -> str | None:
     if not uses_float8(value):
         return None
     emulate = cfg.quantize.linear.float8.emulate
-    if platform.is_cpu() and not emulate:
+    cpu = platform.is_cpu()
+    if cpu and not emulate:
         return ("float8 needs a CUDA GPU, but this job runs on CPU (TORCHTITAN_OMNI_DEVICE=cpu "
                 "or no GPU visible); quantize.linear.float8.emulate runs its numerics there")
-    if platform.is_cpu() and cfg.compile.enable:
-        return ("emulated float8 on CPU runs eagerly only (TorchTitan's rule): turn "
-                "compile.enable off")
+    emulated = cpu or cuda_capability() < FLOAT8_MIN_CAPABILITY
+    if emulated and not emulate:
+        major, minor = cuda_capability()
+        return (f"float8 needs a GPU of compute capability >= 8.9 (Ada, Hopper or newer), "
+                f"this one has {major}.{minor} (quantize.linear.float8.emulate tests it there)")
+    if emulated and cfg.compile.enable:
+        return ("emulated float8 runs eagerly only (TorchTitan's rule): turn compile.enable "
+                "off")
     try:
         importlib.import_module("torchao")
     except Exception as e:  # noqa: BLE001  (a torchao built for another torch fails otherwise)
         return f"float8 needs torchao, which cannot be imported ({type(e).__name__}: {e})"
-    if platform.is_cpu():
-        return None
-    major, minor = cuda_capability()
-    if (major, minor) < FLOAT8_MIN_CAPABILITY and not emulate:
-        return (f"float8 needs a GPU of compute capability >= 8.9 (Ada, Hopper or newer), "
-                f"this one has {major}.{minor} (quantize.linear.float8.emulate tests it there)")
     return None
 
 
