@@ -7,6 +7,7 @@ it)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 import types
 
@@ -67,6 +68,27 @@ def test_either_name_builds_torchtitans_converter_once(float8_allowed, names):
     prepare_float8(job)
     container = build_model_converters(job, _Dims())
     assert [type(c) for c in container.converters] == [Float8LinearConverter]
+
+
+def test_moe_routers_stay_out_of_float8(float8_allowed):
+    """In the MoE foundation float8 takes the attention projections, not the routers (the
+    experts are grouped weights, not linears: TorchTitan's grouped-GEMM float8 is refused)."""
+    pytest.importorskip("torchao.float8")
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+
+    job = _job("--model.converters", "float8", "--quantize.linear.float8.emulate")
+    prepare_float8(job)
+    spec = get_train_spec("qwen3_moe_omni")
+    args = spec.model_args["debugmodel"]
+    # 16 experts: a router TorchTitan's own rule (dims divisible by 16) would swap
+    args = dataclasses.replace(args, llm=dataclasses.replace(args.llm, num_experts=16))
+    model = spec.model_cls(args)
+    Float8LinearConverter(job, _Dims()).convert(model)
+    swapped = sorted(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
+    linears = [n for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.startswith("llm.layers.")]
+    routers = [n for n in linears if n.endswith("moe.gate")]
+    assert routers and swapped == sorted(set(linears) - set(routers))
 
 
 def test_converter_swaps_only_foundation_blocks(float8_allowed):

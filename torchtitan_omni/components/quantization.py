@@ -4,11 +4,12 @@
 TorchTitan's float8 converter swaps every ``nn.Linear`` whose dimensions are multiples of 16,
 except those whose name contains one of ``quantize.linear.float8.filter_fqns``. In an omni
 model that would also take the text head (a ``LinearHead`` computing its loss chunk by chunk),
-the encoders' and decoders' projections and the frozen VQ: :func:`add_omni_float8_filters`
-adds their names to the filter, so float8 covers the foundation's blocks, where the FLOPs
-are. The converter itself is TorchTitan's, applied by its ``Trainer`` before parallelization;
-TorchTitan 0.2.2 looks converters up by their registry key, so :func:`prepare_float8` writes
-the short name as that key (and keeps one entry) before the ``Trainer`` reads the list.
+the encoders' and decoders' projections, the frozen VQ and a MoE layer's router:
+:func:`prepare_float8` adds their names to the filter, so float8 covers the foundation's
+blocks' projections and feed-forwards, where the FLOPs are. The converter itself is
+TorchTitan's, applied by its ``Trainer`` before parallelization; TorchTitan 0.2.2 looks
+converters up by their registry key, so :func:`prepare_float8` writes the short name as that
+key (and keeps one entry) before the ``Trainer`` reads the list.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ FLOAT8_CONVERTER = "quantize.linear.float8"
 FLOAT8_SHORT_NAME = "float8"
 FLOAT8_NAMES = (FLOAT8_CONVERTER, FLOAT8_SHORT_NAME)
 
-#: name fragments float8 leaves in bf16: the text head, every encoder and every decoder
-OMNI_FLOAT8_FILTERS = ("llm.output", "encoders.", "decoders.")
+#: name fragments float8 leaves in bf16: the text head, every encoder and every decoder, and the
+#: MoE routers (a top-k choice flips on rounding; TorchTitan's MoE configs leave theirs out too)
+OMNI_FLOAT8_FILTERS = ("llm.output", "encoders.", "decoders.", "moe.gate")
 
 
 def uses_float8(converters: list[str]) -> bool:
