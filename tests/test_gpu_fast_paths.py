@@ -198,14 +198,15 @@ def test_compiled_moe_block_with_capacity_dispatch_matches_eager():
     assert total_dropped > 0, "the capacity never bound: nothing was tested"
 
 
-def test_float8_foundation_matches_bf16():
-    """TorchTitan's float8 converter as the trainer applies it (either name, the omni filters):
-    on a Hopper GPU the block linears run torch's float8 matmuls (not emulated), and the
-    foundation's output and input gradient stay near the bf16 model's (tensorwise e4m3/e5m2
-    scaling: a few percent, not bit equality)."""
+def _needs_float8_gpu() -> None:
     pytest.importorskip("torchao.float8")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 matmuls need compute capability >= 8.9")
+
+
+def _float8_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` converted as the trainer converts (``model.converters = ["float8"]``
+    through :func:`prepare_float8` and TorchTitan's converter, the omni filters included)."""
     from torchtitan.components.quantization.float8 import Float8LinearConverter
     from torchtitan_omni.components.quantization import prepare_float8
     from torchtitan_omni.config.manager import parse_job_config
@@ -218,9 +219,19 @@ def test_float8_foundation_matches_bf16():
     class Dims:
         dp_shard_enabled = False
 
+    converted = copy.deepcopy(model)
+    Float8LinearConverter(job, Dims()).convert(converted)
+    return converted
+
+
+def test_float8_foundation_matches_bf16():
+    """TorchTitan's float8 converter as the trainer applies it (either name, the omni filters):
+    on a Hopper GPU the block linears run torch's float8 matmuls (not emulated), and the
+    foundation's output and input gradient stay near the bf16 model's (tensorwise e4m3/e5m2
+    scaling: a few percent, not bit equality)."""
+    _needs_float8_gpu()
     plain = _small_llama()
-    fp8 = copy.deepcopy(plain)
-    Float8LinearConverter(job, Dims()).convert(fp8)
+    fp8 = _float8_copy(plain)
     swapped = {n: m for n, m in fp8.named_modules() if type(m).__name__ == "Float8Linear"}
     assert len([n for n in swapped if n.startswith("layers.")]) == 2 * 7  # q k v o, w1 w2 w3
     assert not any(m.config.emulate for m in swapped.values())
@@ -228,14 +239,29 @@ def test_float8_foundation_matches_bf16():
     assert 0 < errors[0] < 0.1 and 0 < errors[1] < 0.2, errors
 
 
+def test_compiled_float8_blocks_match_eager_float8():
+    """The benchmark points' float8 setting: float8 blocks checkpointed per op and compiled
+    (inductor) against the same float8 blocks eager."""
+    from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+    from torchtitan_omni.distributed.compile import compile_units
+
+    _needs_float8_gpu()
+    eager = _float8_copy(_small_llama())
+    compiled = copy.deepcopy(eager)
+    units = list(compiled.layers.values())
+    checkpoint_units(units, "selective", "op")
+    compile_units(units, "inductor")
+    for docs in ([600, 424], [1536]):
+        errors = _relative_errors(eager, compiled, docs)
+        assert errors[0] < 5e-2 and errors[1] < 1e-1, (docs, errors)
+
+
 def test_per_op_checkpointing_keeps_float8_matmuls():
     """Under per-op AC a float8 linear's forward matmul is kept, not run again in the
     backward: the backward runs two per linear (input and weight gradients), three if the
     recompute repeated the forward's. (Eager, a dispatch mode sees the float8 tensors' ``mm``;
     traced for compile, torch's ``_scaled_mm``: the policy keeps both.)"""
-    pytest.importorskip("torchao.float8")
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("float8 matmuls need compute capability >= 8.9")
+    _needs_float8_gpu()
     from tests.test_float8 import calls_in_backward, float8_block
     from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
 
