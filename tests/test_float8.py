@@ -50,6 +50,18 @@ class _Dims:
     dp_shard_enabled = False
 
 
+def convert_as_trainer(model: torch.nn.Module, *extra: str) -> torch.nn.Module:
+    """``model`` converted in place as the trainer converts it for ``model.converters =
+    ["float8"]`` (:func:`prepare_float8`, then TorchTitan's converter); ``extra``: more
+    arguments (e.g. ``--quantize.linear.float8.emulate``)."""
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+
+    job = _job("--model.converters", "float8", *extra)
+    prepare_float8(job)
+    Float8LinearConverter(job, _Dims()).convert(model)
+    return model
+
+
 def test_filters_are_added_only_with_float8(float8_allowed):
     assert prepare_float8(_job()) == []
     job = _job("--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "w2")
@@ -74,16 +86,11 @@ def test_moe_routers_stay_out_of_float8(float8_allowed):
     """In the MoE foundation float8 takes the attention projections, not the routers (the
     experts are grouped weights, not linears: TorchTitan's grouped-GEMM float8 is refused)."""
     pytest.importorskip("torchao.float8")
-    from torchtitan.components.quantization.float8 import Float8LinearConverter
-
-    job = _job("--model.converters", "float8", "--quantize.linear.float8.emulate")
-    prepare_float8(job)
     spec = get_train_spec("qwen3_moe_omni")
     args = spec.model_args["debugmodel"]
     # 16 experts: a router TorchTitan's own rule (dims divisible by 16) would swap
     args = dataclasses.replace(args, llm=dataclasses.replace(args.llm, num_experts=16))
-    model = spec.model_cls(args)
-    Float8LinearConverter(job, _Dims()).convert(model)
+    model = convert_as_trainer(spec.model_cls(args), "--quantize.linear.float8.emulate")
     swapped = sorted(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
     linears = [n for n, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and n.startswith("llm.layers.")]
@@ -93,15 +100,9 @@ def test_moe_routers_stay_out_of_float8(float8_allowed):
 
 def test_converter_swaps_only_foundation_blocks(float8_allowed):
     pytest.importorskip("torchao.float8")
-    from torchtitan.components.quantization.float8 import Float8LinearConverter
-
-    job = _job("--model.converters", "float8", "--quantize.linear.float8.emulate")
-    prepare_float8(job)
     spec = get_train_spec("llama_omni")
     args = spec.model_args["debugmodel"]
-    model = spec.model_cls(args)
-
-    Float8LinearConverter(job, _Dims()).convert(model)
+    model = convert_as_trainer(spec.model_cls(args), "--quantize.linear.float8.emulate")
     swapped = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
     linears = [n for n, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and n.startswith("llm.layers.")]
@@ -121,8 +122,8 @@ def test_converter_swaps_only_foundation_blocks(float8_allowed):
 def test_trainer_with_emulated_float8_on_cpu():
     """The whole trainer path (start-up check, TorchTitan's converter from its registry, FSDP
     over 2 ranks gathering float8 weights, the scales' post-optimizer hook) with float8
-    numerics emulated: the losses stay near the same
-    run's in float32 (float8 rounds the block linears' inputs and weights: close, not equal)."""
+    numerics emulated: the losses stay near the same run's in float32 (float8 rounds the block
+    linears' inputs and weights: close, not equal)."""
     pytest.importorskip("torchao.float8")
     config = "train_configs/llama_omni_debug.toml"
     args = ("--training.steps", "4", "--lr_scheduler.warmup_steps", "2", "--debug.seed", "7",

@@ -205,23 +205,10 @@ def _needs_float8_gpu() -> None:
 
 
 def _float8_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` converted as the trainer converts (``model.converters = ["float8"]``
-    through :func:`prepare_float8` and TorchTitan's converter, the omni filters included)."""
-    from torchtitan.components.quantization.float8 import Float8LinearConverter
-    from torchtitan_omni.components.quantization import prepare_float8
-    from torchtitan_omni.config.manager import parse_job_config
-    from tests.harness import REPO
+    """A copy of ``model`` converted as the trainer converts it (real float8 matmuls)."""
+    from tests.test_float8 import convert_as_trainer
 
-    job = parse_job_config(["--job.config_file", str(REPO / "train_configs/llama_omni_debug.toml"),
-                            "--model.converters", "float8"])
-    prepare_float8(job)
-
-    class Dims:
-        dp_shard_enabled = False
-
-    converted = copy.deepcopy(model)
-    Float8LinearConverter(job, Dims()).convert(converted)
-    return converted
+    return convert_as_trainer(copy.deepcopy(model))
 
 
 def test_float8_foundation_matches_bf16():

@@ -208,11 +208,14 @@ def converters(value, cfg, ctx) -> str | None:
     if cpu and not emulate:
         return ("float8 needs a CUDA GPU, but this job runs on CPU (TORCHTITAN_OMNI_DEVICE=cpu "
                 "or no GPU visible); quantize.linear.float8.emulate runs its numerics there")
-    emulated = cpu or cuda_capability() < FLOAT8_MIN_CAPABILITY
-    if emulated and not emulate:
+    emulated = cpu
+    if not cpu:
         major, minor = cuda_capability()
-        return (f"float8 needs a GPU of compute capability >= 8.9 (Ada, Hopper or newer), "
-                f"this one has {major}.{minor} (quantize.linear.float8.emulate tests it there)")
+        emulated = (major, minor) < FLOAT8_MIN_CAPABILITY
+        if emulated and not emulate:
+            return (f"float8 needs a GPU of compute capability >= 8.9 (Ada, Hopper or newer), "
+                    f"this one has {major}.{minor} (quantize.linear.float8.emulate tests it "
+                    "there)")
     if emulated and cfg.compile.enable:
         return ("emulated float8 runs eagerly only (TorchTitan's rule): turn compile.enable "
                 "off")
