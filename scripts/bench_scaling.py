@@ -295,7 +295,13 @@ def omni_2gpu() -> list[Point]:
               FULL + _sp(2) + ("--omni.activation_offload", "--training.enable_cpu_offload"),
               steps=4, warmup=2, workload="realistic", estimate_s=240),
     ]
-    return eager + [long] + [compiled(p) for p in eager] + longer
+    # float8 linears next to the bf16 compiled points (stock, text-only, realistic rows): the
+    # 2-GPU pairs of float8_points, on the same compiled points as above
+    float8 = [dataclasses.replace(compiled(p), name=f"{p.name}_compile_float8",
+                                  args=p.args + FLOAT8)
+              for p in eager if p.name in ("stock_llama3_8B_8k_fsdp2", "omni_8B_8k_text_only",
+                                           "omni_8B_8k_realistic")]
+    return eager + [long] + [compiled(p) for p in eager] + longer + float8
 
 
 def llama_4gpu() -> list[Point]:
@@ -531,8 +537,15 @@ def moe_2gpu() -> list[Point]:
     # EP2 x Ulysses SP2 x FSDP at 32K: 16K positions per GPU, as the 8K points' 8K
     long = [point(32768, w, layout="sp2_ep2", extra=_sp(2), steps=6, warmup=2, estimate_s=120)
             for w in ("text", "realistic")]
+    # the step's part that does not grow with tokens (issue 12), text at 8K and 16K: without
+    # activation checkpointing (no recompute: 4 exchanges per layer and step instead of 6) and
+    # with the NVSHMEM exchange (no host sync per layer); the 16K default point is above
+    fixed = [Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep2_text_exact_{tag}", MOE, 2, seq,
+                   _layers(12) + flags + _ep(2), workload="text", estimate_s=80)
+             for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM))
+             for seq in (8192, 16384)]
     return (eager + [point(16384, "text", steps=8)] + [compiled(p, 70) for p in eager[::2]]
-            + log10 + long)
+            + log10 + long + fixed)
 
 
 def moe_dispatch(ngpu: int) -> list[Point]:
@@ -770,15 +783,21 @@ def variant(row: dict) -> str:
     return row["name"].replace(f"_{row.get('workload')}", "_{}", 1)
 
 
+def uses_float8(row: dict) -> bool:
+    """Whether a row's command trains with float8 linears (:data:`FLOAT8`)."""
+    return " ".join(FLOAT8[:2]) in row.get("command", "")
+
+
 def add_ratios(rows: list[dict]) -> None:
-    """Each measured row's tokens/s over the stock row of the same GPUs, sequence length and
-    compile setting (``vs_stock``), and over the omni text-only and long-text rows of the same
-    model too (``vs_text``, ``vs_long_text``), when those were measured. Where several rows
-    qualify, the one of the same variant (the same trainer flags, ``variant``) is the
-    reference, else the plainest (the shortest name): a flag never borrows another flag's
-    baseline."""
+    """Each measured row's tokens/s over the stock row of the same GPUs, sequence length,
+    compile setting and linears' precision (bf16 or float8; ``vs_stock``), and over the omni
+    text-only and long-text rows of the same model too (``vs_text``, ``vs_long_text``), when
+    those were measured. Where several rows qualify, the one of the same variant (the same
+    trainer flags, ``variant``) is the reference, else the plainest (the shortest name): a flag
+    never borrows another flag's baseline."""
     def key(r, model: bool):
-        return r["ngpu"], r["seq_len"], r.get("compile", False), r.get("config") if model else None
+        return (r["ngpu"], r["seq_len"], r.get("compile", False), uses_float8(r),
+                r.get("config") if model else None)
 
     def candidates(stock: bool, workload: str | None) -> dict:
         found: dict = defaultdict(list)

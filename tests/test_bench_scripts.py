@@ -5,6 +5,7 @@ import dataclasses
 import importlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -283,6 +284,26 @@ def _row(name, tps, ngpu=1, seq=8192, compile=False, stock=False, workload="real
             "recompiles": 3 if compile else None}
 
 
+def test_float8_rows_are_compared_with_float8_rows():
+    """2x H200, 2026-11-27: the omni float8 text row against stock TorchTitan in float8, not
+    the bf16 stock row of the same GPUs, seq and compile setting (that would credit the omni
+    trainer with float8's gain)."""
+    bench = _script("bench_scaling")
+    float8 = shlex.join(bench.FLOAT8)
+    rows = [_row("stock_compile", 8679.0, compile=True, stock=True, config="8B"),
+            _row("stock_compile_float8", 10914.0, compile=True, stock=True, config="8B"),
+            _row("text_only_compile", 10419.0, compile=True, workload="text"),
+            _row("text_only_compile_float8", 13174.0, compile=True, workload="text"),
+            _row("realistic_compile_float8", 8039.0, compile=True)]
+    for r in rows:
+        r["command"] = f"./run_train.sh {float8 if r['name'].endswith('float8') else ''}"
+    bench.add_ratios(rows)
+    by = {r["name"]: r for r in rows}
+    assert by["text_only_compile"]["vs_stock"] == pytest.approx(10419 / 8679)
+    assert by["text_only_compile_float8"]["vs_stock"] == pytest.approx(13174 / 10914)
+    assert by["realistic_compile_float8"]["vs_text"] == pytest.approx(8039 / 13174)
+
+
 def test_ratios_pair_points_of_the_same_gpus_seq_model_and_compile_setting():
     bench = _script("bench_scaling")
     rows = [
@@ -474,3 +495,28 @@ def test_pyspy_summary_counts_threads_queue_waits_and_encoder_samples():
         ["5", "linear (torch/nn/functional.py)"], ["3", "step (torch/optim/adamw.py)"]]
     with pytest.raises(ValueError, match="line 1 is not py-spy's raw format"):
         spy.read_raw(["thread (7): MainThread;frame\n"])
+
+
+def test_fixed_part_and_float8_points():
+    """The MoE text points that split the step's fixed part (issue 12) set one AC mode each and
+    the exchange they name; each float8 point of the 2- and 4-GPU plans is its bf16 compiled
+    point's command with the float8 flags added."""
+    bench = _script("bench_scaling")
+    for plan in ("moe_2gpu", "moe_4gpu"):
+        fixed = [p for p in bench.PLANS[plan] if p.name.endswith(("text_exact_no_ac",
+                                                                  "text_exact_nvshmem"))]
+        assert sorted(p.seq_len for p in fixed) == [8192, 8192, 16384, 16384], plan
+        for p in fixed:
+            cmd = p.command()
+            modes = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--activation_checkpoint.mode"]
+            assert modes == (["none"] if p.name.endswith("no_ac") else ["full"]), (p.name, modes)
+            assert (bench.NVSHMEM[1] in cmd) == p.name.endswith("nvshmem"), p.name
+    for plan in ("omni_2gpu", "llama_4gpu"):
+        by = {p.name: p for p in bench.PLANS[plan]}
+        float8 = [p for p in by.values() if p.name.endswith("_float8")]
+        assert len(float8) >= 3, plan
+        for p in float8:
+            bf16 = by[p.name.removesuffix("_float8")]
+            assert p.compile and bf16.compile, p.name
+            assert dataclasses.replace(p, name=bf16.name) == dataclasses.replace(
+                bf16, args=bf16.args + bench.FLOAT8), p.name

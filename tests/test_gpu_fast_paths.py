@@ -198,10 +198,17 @@ def test_compiled_moe_block_with_capacity_dispatch_matches_eager():
     assert total_dropped > 0, "the capacity never bound: nothing was tested"
 
 
-def _needs_float8_gpu() -> None:
+@pytest.fixture
+def float8_gpu(monkeypatch):
+    """A GPU with float8 matmuls and torchao, else skipped; the jobs these tests parse are
+    checked at start-up as GPU jobs (conftest makes CPU the device of the test process, and
+    float8 is refused on CPU runs)."""
+    from torchtitan_omni.config import values
+
     pytest.importorskip("torchao.float8")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 matmuls need compute capability >= 8.9")
+    monkeypatch.setattr(values.platform, "is_cpu", lambda: False)
 
 
 def _float8_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -211,12 +218,11 @@ def _float8_copy(model: torch.nn.Module) -> torch.nn.Module:
     return convert_as_trainer(copy.deepcopy(model))
 
 
-def test_float8_foundation_matches_bf16():
+def test_float8_foundation_matches_bf16(float8_gpu):
     """TorchTitan's float8 converter as the trainer applies it (either name, the omni filters):
     on a Hopper GPU the block linears run torch's float8 matmuls (not emulated), and the
     foundation's output and input gradient stay near the bf16 model's (tensorwise e4m3/e5m2
     scaling: a few percent, not bit equality)."""
-    _needs_float8_gpu()
     plain = _small_llama()
     fp8 = _float8_copy(plain)
     swapped = {n: m for n, m in fp8.named_modules() if type(m).__name__ == "Float8Linear"}
@@ -226,13 +232,12 @@ def test_float8_foundation_matches_bf16():
     assert 0 < errors[0] < 0.1 and 0 < errors[1] < 0.2, errors
 
 
-def test_compiled_float8_blocks_match_eager_float8():
+def test_compiled_float8_blocks_match_eager_float8(float8_gpu):
     """The benchmark points' float8 setting: float8 blocks checkpointed per op and compiled
     (inductor) against the same float8 blocks eager."""
     from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
     from torchtitan_omni.distributed.compile import compile_units
 
-    _needs_float8_gpu()
     eager = _float8_copy(_small_llama())
     compiled = copy.deepcopy(eager)
     units = list(compiled.layers.values())
@@ -243,12 +248,11 @@ def test_compiled_float8_blocks_match_eager_float8():
         assert errors[0] < 5e-2 and errors[1] < 1e-1, (docs, errors)
 
 
-def test_per_op_checkpointing_keeps_float8_matmuls():
+def test_per_op_checkpointing_keeps_float8_matmuls(float8_gpu):
     """Under per-op AC a float8 linear's forward matmul is kept, not run again in the
     backward: the backward runs two per linear (input and weight gradients), three if the
     recompute repeated the forward's. (Eager, a dispatch mode sees the float8 tensors' ``mm``;
     traced for compile, torch's ``_scaled_mm``: the policy keeps both.)"""
-    _needs_float8_gpu()
     from tests.test_float8 import calls_in_backward, float8_block
     from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
 
