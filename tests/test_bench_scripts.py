@@ -520,3 +520,20 @@ def test_fixed_part_and_float8_points():
             assert p.compile and bf16.compile, p.name
             assert dataclasses.replace(p, name=bf16.name) == dataclasses.replace(
                 bf16, args=bf16.args + bench.FLOAT8), p.name
+
+
+def test_optimizer_benchmark_times_a_ranks_shard(capsys):
+    """``bench_optimizer.py --smoke``: the rank's shard of the model's own parameters (each
+    split over the ranks, the foundation cut to its layers), one row per rank count."""
+    bench = _script("bench_optimizer")
+    whole = bench.shard_numels("qwen3_moe_omni", "debugmodel", 2, 1)
+    half = bench.shard_numels("qwen3_moe_omni", "debugmodel", 2, 2)
+    assert len(half) == len(whole) and all(2 * h - 1 <= w <= 2 * h for h, w in zip(half, whole))
+    assert sum(bench.shard_numels("qwen3_moe_omni", "debugmodel", 1, 1)) < sum(whole)
+    bench.main(["--smoke", "--world", "2", "--world", "4"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("| 2 |", "| 4 |"))]
+    assert [r[1] for r in rows] == [
+        f"{sum(bench.shard_numels('qwen3_moe_omni', 'debugmodel', 2, n)) / 1e6:,.1f}M"
+        for n in (2, 4)]
+    assert all(float(r[2]) > 0 and min(map(float, r[3:8])) >= 0 for r in rows)  # ms
