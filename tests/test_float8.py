@@ -98,6 +98,41 @@ def test_moe_routers_stay_out_of_float8(float8_allowed):
     assert routers and swapped == sorted(set(linears) - set(routers))
 
 
+def test_encoders_join_float8_when_asked(float8_allowed):
+    """``omni.float8_encoders``: every encoder linear TorchTitan's rule accepts (dimensions
+    divisible by 16) goes float8 as well, nothing else changes; without it none does. The
+    converted model still trains (emulated), its vision tower receiving gradients."""
+    pytest.importorskip("torchao.float8")
+    spec = get_train_spec("llama_omni")
+    args = spec.model_args["debugmodel"]
+
+    def converted(*extra):
+        model = convert_as_trainer(spec.model_cls(args), "--quantize.linear.float8.emulate",
+                                   *extra)
+        return model, {n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+
+    _, foundation_only = converted()
+    model, with_encoders = converted("--omni.float8_encoders")
+    in_encoders = {n for n in with_encoders if n.startswith("encoders.")}
+    eligible = {n for n, m in model.named_modules() if n.startswith("encoders.")
+                and isinstance(m, torch.nn.Linear)
+                and m.in_features % 16 == 0 and m.out_features % 16 == 0}
+    assert {n.split(".")[1] for n in in_encoders} == {"vision", "audio"}
+    assert in_encoders == eligible
+    assert with_encoders - in_encoders == foundation_only
+    assert not any(n.startswith("encoders.") for n in foundation_only)
+    model.init_weights()
+    batch, labels = mixed_batch(model, args.llm_args.vocab_size)
+    from tests.models.test_debug_flavors import _forward
+
+    loss, _ = _forward(model, batch, labels)
+    loss.backward()
+    vision = next(model.encoders["vision"].get_submodule(n.removeprefix("encoders.vision."))
+                  for n in sorted(in_encoders) if n.startswith("encoders.vision."))
+    assert torch.isfinite(loss) and vision.weight.grad is not None
+    assert float(vision.weight.grad.abs().sum()) > 0
+
+
 def test_converter_swaps_only_foundation_blocks(float8_allowed):
     pytest.importorskip("torchao.float8")
     spec = get_train_spec("llama_omni")
@@ -123,7 +158,7 @@ def test_trainer_with_emulated_float8_on_cpu():
     """The whole trainer path (start-up check, TorchTitan's converter from its registry, FSDP
     over 2 ranks gathering float8 weights, the scales' post-optimizer hook) with float8
     numerics emulated: the losses stay near the same run's in float32 (float8 rounds the block
-    linears' inputs and weights: close, not equal)."""
+    linears' inputs and weights: close, not equal), also with ``omni.float8_encoders``."""
     pytest.importorskip("torchao.float8")
     config = "train_configs/llama_omni_debug.toml"
     args = ("--training.steps", "4", "--lr_scheduler.warmup_steps", "2", "--debug.seed", "7",
@@ -135,14 +170,22 @@ def test_trainer_with_emulated_float8_on_cpu():
                     "--quantize.linear.float8.enable_fsdp_float8_all_gather",
                     "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
                     "--job.dump_folder", "outputs/test_float8_emulated")
-    assert plain.returncode == 0, plain.output[-3000:]
-    assert fp8.returncode == 0, fp8.output[-3000:]
-    assert "Float8 linears in the foundation's blocks" in fp8.output
-    a, b = plain.loss_list(), fp8.loss_list()
-    assert len(a) == len(b) == 4
-    assert a != b  # float8 rounding took effect
-    for x, y in zip(a, b):
-        assert abs(x - y) < 0.02 * abs(x), (a, b)
+    # the encoders' linears too (their FSDP units gathering float8 weights as well)
+    encoders = run_train(config, 2, *args, "--model.converters", "float8",
+                         "--quantize.linear.float8.emulate",
+                         "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                         "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+                         "--omni.float8_encoders",
+                         "--job.dump_folder", "outputs/test_float8_emulated_encoders")
+    for run in (plain, fp8, encoders):
+        assert run.returncode == 0, run.output[-3000:]
+    assert "Float8 linears in the foundation's blocks;" in fp8.output
+    assert "Float8 linears in the foundation's blocks and the encoders;" in encoders.output
+    a, b, c = plain.loss_list(), fp8.loss_list(), encoders.loss_list()
+    assert len(a) == len(b) == len(c) == 4
+    assert a != b and b != c  # float8 rounding took effect, in the encoders too
+    for x, y, z in zip(a, b, c):
+        assert abs(x - y) < 0.02 * abs(x) and abs(x - z) < 0.02 * abs(x), (a, b, c)
 
 
 def calls_in_backward(block: torch.nn.Module, x: torch.Tensor, *ops) -> tuple[int, torch.Tensor]:

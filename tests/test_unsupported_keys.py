@@ -195,6 +195,8 @@ VALUE_CASES = [
      "quantize.linear.float8.recipe_name only applies with model.converters"),
     (("--activation_checkpoint.mode", "memory_budget"),
      "activation_checkpoint.mode 'memory_budget'"),
+    (("--omni.float8_encoders",),
+     "omni.float8_encoders only applies with model.converters = ['quantize.linear.float8']"),
 ]
 
 

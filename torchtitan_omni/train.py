@@ -51,7 +51,7 @@ from torchtitan_omni.config.manager import parse_job_config_or_exit
 from torchtitan_omni.components.inputs import ModelInputs, model_inputs
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS
 from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
-from torchtitan_omni.components.quantization import prepare_float8
+from torchtitan_omni.components.quantization import float8_encoders, prepare_float8
 from torchtitan_omni.distributed.boundary import balance_metrics
 from torchtitan_omni.distributed.compile import compiled_graphs
 from torchtitan_omni.distributed.encoder_schedule import run_micro_batches
@@ -98,7 +98,8 @@ class OmniTrainer(Trainer):
         with titan_checkpointer_off(job_config):  # ours replaces it (checkpoint.trainer_setup)
             super().__init__(job_config)
         if float8:
-            logger.info(f"Float8 linears in the foundation's blocks; left in bf16: {float8}")
+            where = " and the encoders" if float8_encoders(job_config) else ""
+            logger.info(f"Float8 linears in the foundation's blocks{where}; left in bf16: {float8}")
         # Crash-safe, reshardable checkpoints and weights.sources (torchtitan_omni.checkpoint).
         setup_checkpointing(self)
         if is_cpu():

@@ -187,6 +187,11 @@ class Omni:
     backward (torchtitan_omni.distributed.activation_offload): longer sequences fit on the GPU,
     steps slow down by the host copies."""
 
+    float8_encoders: bool = False
+    """With float8 model.converters: the encoders' linears in float8 too (their blocks and
+    projectors; TorchTitan's rule still skips dimensions not divisible by 16). Off: float8
+    covers the foundation's blocks only. Decoders, the text head and MoE routers stay bf16."""
+
     init_seed: int = 0
     """Seed of the layout-invariant random initialization of weights that are not loaded."""
 

@@ -144,6 +144,9 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             raise ConfigError(
                 "parallelism.expert_ac_keep_exchanges needs activation_checkpoint.mode full or "
                 "selective (without a recompute there is no exchange to spare)")
+    if cfg.omni.float8_encoders and not uses_float8(cfg.model.converters):
+        raise ConfigError("omni.float8_encoders only applies with model.converters = "
+                          "['quantize.linear.float8'] (or 'float8'), which this job does not set")
     if cfg.omni.encoder_checkpoint_min_tokens < 0:
         raise ConfigError(f"omni.encoder_checkpoint_min_tokens must be >= 0 (0: checkpoint "
                           f"every call), got {cfg.omni.encoder_checkpoint_min_tokens}")
