@@ -52,18 +52,29 @@ def summarize(path: str, top: int = 20) -> str:
     # recorded kernels is the profiled GPU time.
     start = min(e["ts"] for e in kernels)
     wall_us = max(e["ts"] + e["dur"] for e in kernels) - start
+    # A kernel whose launch call is not in the trace was queued before it opened: the previous
+    # step's tail (its optimizer, say), still running when this step's recording began. Kinds
+    # and top kernels count this step's launches only (all kernels where no launch is recorded).
+    launches = launch_calls(events)
+    queued = [e for e in kernels if launches and _correlation(e) not in launches]
+    own = [e for e in kernels if not launches or _correlation(e) in launches]
     by_name: dict[str, float] = defaultdict(float)
     by_kind: dict[str, float] = defaultdict(float)
-    for e in kernels:
+    for e in own:
         by_name[e["name"][:90]] += e["dur"]
         by_kind[kind(e["name"])] += e["dur"]
-    comm = by_kind.get("communication", 0.0)
+    comm = sum(e["dur"] for e in kernels if kind(e["name"]) == "communication")
     busy = _union(
         [(e["ts"], e["ts"] + e["dur"]) for e in kernels if kind(e["name"]) != "communication"]
     )
     lines = [f"{path}: GPU window {wall_us / 1e3:.1f} ms, compute kernels busy {busy / 1e3:.1f} ms "
              f"({100 * busy / wall_us:.0f}%), communication kernels {comm / 1e3:.1f} ms (their own "
              "stream, overlapping)"]
+    if queued:
+        until = max(e["ts"] + e["dur"] for e in queued) - start
+        lines.append(f"  of which queued before the trace opened (the previous step's tail, not "
+                     f"in the kinds and top kernels below): {len(queued)} kernels, "
+                     f"{sum(e['dur'] for e in queued) / 1e3:.1f} ms, until {until / 1e3:.1f} ms")
     lines += [
         f"  {k:14s} {v / 1e3:9.1f} ms" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
     ]
@@ -205,6 +216,17 @@ def _phase_marks(events: list[dict]) -> dict:
     return marks
 
 
+def _correlation(event: dict):
+    return event.get("args", {}).get("correlation")
+
+
+def launch_calls(events: list[dict]) -> dict:
+    """The host's launch calls by correlation id: runtime launches, and driver launches
+    (Triton's kernels, compiled code)."""
+    return {_correlation(e): e for e in events
+            if e.get("cat") in CUDA_API and _correlation(e) is not None}
+
+
 def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
     """The compute stream's timeline by part and pass. Each kernel belongs to the phase its
     launching host thread was in (the latest FSDP unit to start there); the time the GPU sat
@@ -214,13 +236,10 @@ def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
     if not marks:
         return ["  by part: no FSDP unit ranges in the trace (one GPU, or no FSDP)"]
     starts = {tid: [at for at, _ in m] for tid, m in marks.items()}
-    # runtime launches, and driver launches (Triton's kernels, compiled code)
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in CUDA_API
-                and "correlation" in e.get("args", {})}
+    launches = launch_calls(events)
 
     def phase(kernel: dict) -> tuple[str, str]:
-        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        launch = launches.get(_correlation(kernel))
         if launch is None:
             return ("(launch not recorded)", "")
         tid = launch.get("tid")
@@ -238,7 +257,7 @@ def by_part(events: list[dict], kernels: list[dict]) -> list[str]:
         if kind(e["name"]) == "communication":
             row["comm"] += e["dur"]
             continue
-        launch = launches.get(e.get("args", {}).get("correlation"))
+        launch = launches.get(_correlation(e))
         if launch is not None and "dur" in launch:
             row["leads"].append(e["ts"] - (launch["ts"] + launch["dur"]))
         start, end = e["ts"], e["ts"] + e["dur"]

@@ -537,3 +537,27 @@ def test_optimizer_benchmark_times_a_ranks_shard(capsys):
         f"{sum(bench.shard_numels('qwen3_moe_omni', 'debugmodel', 2, n)) / 1e6:,.1f}M"
         for n in (2, 4)]
     assert all(float(r[2]) > 0 and min(map(float, r[3:8])) >= 0 for r in rows)  # ms
+
+
+def test_trace_summary_leaves_the_previous_steps_tail_out_of_its_kernel_totals(tmp_path):
+    """2x H200, 2026-11-27: a profiled MoE step's trace opened while the previous step's
+    optimizer still ran; its kernels (launched before the trace, so without a launch call in
+    it) doubled the optimizer's share of the top kernels. They are reported apart."""
+    trace = _script("summarize_trace")
+    adam = "multi_tensor_apply_kernel<FusedAdamMathFunctor>"
+    events = [
+        {"name": adam, "cat": "kernel", "ts": 0, "dur": 3000, "args": {"correlation": 7}},
+        {"name": adam, "cat": "kernel", "ts": 20000, "dur": 3000, "args": {"correlation": 9}},
+        {"name": "nvjet_sm90_gemm", "cat": "kernel", "ts": 5000, "dur": 10000,
+         "args": {"correlation": 8}},
+        *[{"name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": ts, "dur": 5,
+           "args": {"correlation": c}} for ts, c in ((4000, 8), (19000, 9))],
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    text = trace.summarize(str(path))
+    assert "GPU window 23.0 ms, compute kernels busy 16.0 ms" in text
+    assert "queued before the trace opened" in text and "1 kernels, 3.0 ms, until 3.0 ms" in text
+    top = text.split("top kernels:")[1].splitlines()
+    assert "3.0 ms  " + adam in top[2] and "10.0 ms  nvjet_sm90_gemm" in top[1]
+    assert "matmul              10.0 ms" in text and "other                3.0 ms" in text
