@@ -20,8 +20,9 @@ A plan may hold stock TorchTitan 0.2.2 (Llama-3 on the bundled text) and the omn
 the same text as baselines of the same call. For each point it reads the per-step log lines
 and reports, over the steps after ``warmup``: the median tokens/s per GPU (every real LLM
 position, media placeholders included, as the trainer counts them), its ratio to the stock,
-text-only and long-text points of the same GPUs, sequence length and compile setting, the MFU by the
-trainer's model-FLOP count (causal attention by real document lengths, encoders included),
+text-only and long-text points of the same GPUs, sequence length, compile setting and linears'
+precision (bf16 or float8), the MFU by the trainer's model-FLOP count (causal attention by
+real document lengths, encoders included),
 the MFU by TorchTitan's formula (``6 x non-embedding params + 12 x layers x heads x head_dim x
 seq_len`` per token, what stock runs print), the median step time (between consecutive step
 lines), the peak reserved memory and, for ``torch.compile`` points (run with
@@ -911,8 +912,8 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
         "step time: medians over the steps after warm-up (steps' range: their slowest and "
         "fastest step's tokens/s/GPU); vs stock / vs text-only / vs long text: tokens/s "
         "over the stock, omni text-only (packed short documents) and omni long-text (one "
-        "document per row, as the media rows) points of the same GPUs, seq and compile "
-        "setting; "
+        "document per row, as the media rows) points of the same GPUs, seq, compile "
+        "setting and linears' precision (bf16 or float8); "
         "memory: peak reserved; recompiles: rank 0's under TORCH_LOGS=recompiles.",
         *([data_note] if data_note else []),
         "",
