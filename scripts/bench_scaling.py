@@ -22,9 +22,9 @@ and reports, over the steps after ``warmup``: the median tokens/s per GPU (every
 position, media placeholders included, as the trainer counts them), its ratio to the stock,
 text-only and long-text points of the same GPUs, sequence length, compile setting and linears'
 precision (bf16 or float8), the MFU by the trainer's model-FLOP count (causal attention by
-real document lengths, encoders included),
-the MFU by TorchTitan's formula (``6 x non-embedding params + 12 x layers x heads x head_dim x
-seq_len`` per token, what stock runs print), the median step time (between consecutive step
+real document lengths, encoders included), the MFU by TorchTitan's formula (``6 x
+non-embedding params + 12 x layers x heads x head_dim x seq_len`` per token, what stock runs
+print), the median step time (between consecutive step
 lines), the peak reserved memory and, for ``torch.compile`` points (run with
 ``TORCH_LOGS=recompiles``), the recompilations rank 0 logged. Results go to a markdown table
 (with the exact command of each point) and a JSON file.
