@@ -300,8 +300,7 @@ def omni_2gpu() -> list[Point]:
     ]
     # float8 linears next to the bf16 compiled points (stock, text-only, realistic rows): the
     # 2-GPU pairs of float8_points, on the same compiled points as above
-    float8 = [dataclasses.replace(compiled(p), name=f"{p.name}_compile_float8",
-                                  args=p.args + FLOAT8)
+    float8 = [as_float8(compiled(p))
               for p in eager if p.name in ("stock_llama3_8B_8k_fsdp2", "omni_8B_8k_text_only",
                                            "omni_8B_8k_realistic")]
     # the realistic rows' float8 point (49.1% model-FLOPs MFU, twelfth session) with the
@@ -390,10 +389,14 @@ def float8_points(ngpu: int) -> list[Point]:
     return [q for p in pairs for q in with_float8(compiled(p, 70))]
 
 
+def as_float8(point: Point) -> Point:
+    """The float8 variant of a point (``<name>_float8``: :data:`FLOAT8` added)."""
+    return dataclasses.replace(point, name=f"{point.name}_float8", args=point.args + FLOAT8)
+
+
 def with_float8(point: Point) -> list[Point]:
-    """A point and its float8 variant (``<name>_float8``: :data:`FLOAT8` added)."""
-    return [point, dataclasses.replace(point, name=f"{point.name}_float8",
-                                       args=point.args + FLOAT8)]
+    """A point and its float8 variant (:func:`as_float8`)."""
+    return [point, as_float8(point)]
 
 
 def moe_4gpu() -> list[Point]:
@@ -508,15 +511,21 @@ def moe_4gpu() -> list[Point]:
         Point("moe_30B-A3B_48L_8k_ep4_text_exact", MOE, 4, 8192, FULL + _ep(4),
               workload="text", steps=6, warmup=2, estimate_s=180),
         # the part of the step that does not grow with tokens (0.12 s of 0.43 s at 8K, eleventh
-        # session: the compute stream waiting on the exchanges, 12 host syncs a step) without
-        # activation checkpointing (8K peaks at 38 of 80 GiB with full AC; no recompute: 4
-        # exchanges per layer and step instead of 6), and with the NVSHMEM exchange (no host
-        # sync per layer); text at 8K and 16K each
-        *[Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep4_text_exact_{tag}", MOE, 4, seq,
-                _layers(12) + flags + _ep(4), workload="text", estimate_s=80)
-          for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM))
-          for seq in (8192, 16384)],
+        # session: the compute stream waiting on the exchanges, 12 host syncs a step; 8K peaks
+        # at 38 of 80 GiB with full AC)
+        *fixed_part_points(4),
     ]
+
+
+def fixed_part_points(ep: int) -> list[Point]:
+    """The MoE 12-layer cut on ``ep`` GPUs, EP over all of them, text at 8K and 16K: without
+    activation checkpointing (no recompute: 4 exchanges per layer and step instead of 6) and
+    with the NVSHMEM exchange (no host sync per layer), each next to the default points of its
+    plan: what part of the step does not grow with tokens (issue 12)."""
+    return [Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep{ep}_text_exact_{tag}", MOE, ep, seq,
+                  _layers(12) + flags + _ep(ep), workload="text", estimate_s=80)
+            for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM))
+            for seq in (8192, 16384)]
 
 
 def moe_2gpu() -> list[Point]:
@@ -549,15 +558,9 @@ def moe_2gpu() -> list[Point]:
     # EP2 x Ulysses SP2 x FSDP at 32K: 16K positions per GPU, as the 8K points' 8K
     long = [point(32768, w, layout="sp2_ep2", extra=_sp(2), steps=6, warmup=2, estimate_s=120)
             for w in ("text", "realistic")]
-    # the step's part that does not grow with tokens (issue 12), text at 8K and 16K: without
-    # activation checkpointing (no recompute: 4 exchanges per layer and step instead of 6) and
-    # with the NVSHMEM exchange (no host sync per layer); the 16K default point is above
-    fixed = [Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep2_text_exact_{tag}", MOE, 2, seq,
-                   _layers(12) + flags + _ep(2), workload="text", estimate_s=80)
-             for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM))
-             for seq in (8192, 16384)]
+    # the step's part that does not grow with tokens, next to the 8K and 16K text points
     return (eager + [point(16384, "text", steps=8)] + [compiled(p, 70) for p in eager[::2]]
-            + log10 + long + fixed)
+            + log10 + long + fixed_part_points(2))
 
 
 def moe_dispatch(ngpu: int) -> list[Point]:

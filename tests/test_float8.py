@@ -163,19 +163,14 @@ def test_trainer_with_emulated_float8_on_cpu():
     config = "train_configs/llama_omni_debug.toml"
     args = ("--training.steps", "4", "--lr_scheduler.warmup_steps", "2", "--debug.seed", "7",
             "--checkpoint.no-enable")
-    plain = run_train(config, 2, *args, "--job.dump_folder", "outputs/test_float8_plain")
     # with TorchTitan's recommended FSDP settings, as the GPU benchmark points run float8
-    fp8 = run_train(config, 2, *args, "--model.converters", "float8",
-                    "--quantize.linear.float8.emulate",
-                    "--quantize.linear.float8.enable_fsdp_float8_all_gather",
-                    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
-                    "--job.dump_folder", "outputs/test_float8_emulated")
+    float8 = ("--model.converters", "float8", "--quantize.linear.float8.emulate",
+              "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+              "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp")
+    plain = run_train(config, 2, *args, "--job.dump_folder", "outputs/test_float8_plain")
+    fp8 = run_train(config, 2, *args, *float8, "--job.dump_folder", "outputs/test_float8_emulated")
     # the encoders' linears too (their FSDP units gathering float8 weights as well)
-    encoders = run_train(config, 2, *args, "--model.converters", "float8",
-                         "--quantize.linear.float8.emulate",
-                         "--quantize.linear.float8.enable_fsdp_float8_all_gather",
-                         "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
-                         "--omni.float8_encoders",
+    encoders = run_train(config, 2, *args, *float8, "--omni.float8_encoders",
                          "--job.dump_folder", "outputs/test_float8_emulated_encoders")
     for run in (plain, fp8, encoders):
         assert run.returncode == 0, run.output[-3000:]

@@ -28,7 +28,7 @@ from torchtitan_omni.components.quantization import uses_float8
 from torchtitan_omni.config.noncolocated import model_ranks_problem, ranks_problem
 from torchtitan_omni.config.parts import table_problem
 from torchtitan_omni.config.unsupported import check_values, refuse_unsupported
-from torchtitan_omni.config.values import Context
+from torchtitan_omni.config.values import Context, needs_float8
 from torchtitan_omni.data.default_dataset import DEFAULT_NAME
 from torchtitan_omni.data.loader import build_omni_dataloader, check_data_config
 from torchtitan_omni.data.tokenizer import tokenizer_folder
@@ -144,9 +144,8 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             raise ConfigError(
                 "parallelism.expert_ac_keep_exchanges needs activation_checkpoint.mode full or "
                 "selective (without a recompute there is no exchange to spare)")
-    if cfg.omni.float8_encoders and not uses_float8(cfg.model.converters):
-        raise ConfigError("omni.float8_encoders only applies with model.converters = "
-                          "['quantize.linear.float8'] (or 'float8'), which this job does not set")
+    if cfg.omni.float8_encoders and (problem := needs_float8(True, cfg, None)):
+        raise ConfigError(f"omni.float8_encoders {problem}")
     if cfg.omni.encoder_checkpoint_min_tokens < 0:
         raise ConfigError(f"omni.encoder_checkpoint_min_tokens must be >= 0 (0: checkpoint "
                           f"every call), got {cfg.omni.encoder_checkpoint_min_tokens}")
