@@ -231,6 +231,8 @@ FLOAT8 = ("--model.converters", "quantize.linear.float8",
 NO_AC = ("--activation_checkpoint.mode", "none")
 #: with FLOAT8: the encoders' linears in float8 too
 FLOAT8_ENCODERS = ("--omni.float8_encoders",)
+#: every encoder pass's media items spread over all ranks by estimated cost
+BALANCE = ("--parallelism.encoder_sequence_parallel", "balance")
 
 
 def compiled(point: Point, estimate_s: int = 60) -> Point:
@@ -263,7 +265,11 @@ def omni_2gpu() -> list[Point]:
         Point("stock_llama3_8B_8k_fsdp2", "8B", 2, 8192, SEL, stock=True, estimate_s=80),
         Point("omni_8B_8k_text_only", LLAMA8B, 2, 8192, SEL, workload="text", estimate_s=90),
         Point("omni_8B_8k_long_text", LLAMA8B, 2, 8192, SEL, workload="long_text", estimate_s=90),
-        Point("omni_8B_8k_realistic", LLAMA8B, 2, 8192, SEL, workload="realistic", estimate_s=100),
+        # the 16 realistic rows make 8 steps on 2 GPUs: one pass of warm-up (compiled, every
+        # row's media shapes seen), two passes timed (each row weighs the same in the median;
+        # 10 steps left recompiles and an uneven share of rows in it)
+        Point("omni_8B_8k_realistic", LLAMA8B, 2, 8192, SEL, steps=24, warmup=8,
+              workload="realistic", estimate_s=120),
         Point("omni_8B_8k_toy", LLAMA8B, 2, 8192, SEL, workload="toy", estimate_s=90),
         # logging every 10 steps (TorchTitan's default; the points above log every step, and
         # each logged step makes the host wait for the GPU at its end): whether the next step's
@@ -304,12 +310,14 @@ def omni_2gpu() -> list[Point]:
               for p in eager if p.name in ("stock_llama3_8B_8k_fsdp2", "omni_8B_8k_text_only",
                                            "omni_8B_8k_realistic")]
     # the realistic rows' float8 point (49.1% model-FLOPs MFU, twelfth session) with the
-    # encoders' linears in float8 too, and with per-op or no encoder AC instead of full: what
-    # the encoders' bf16 matmuls and recompute still cost against the 55% target
+    # encoders' media items balanced over the ranks, without encoder AC, with the encoders'
+    # linears in float8 too (also with per-op or no encoder AC): what the encoders' skew
+    # between ranks, recompute and bf16 matmuls still cost against the 55% target
     realistic = float8[-1]
     float8 += [dataclasses.replace(realistic, name=f"{realistic.name}_{tag}",
                                    args=realistic.args + flags)
-               for tag, flags in (("encoders", FLOAT8_ENCODERS),
+               for tag, flags in (("balance", BALANCE), ("no_encoder_ac", NO_ENCODER_AC),
+                                  ("encoders", FLOAT8_ENCODERS),
                                   ("encoders_encoder_ac_op", FLOAT8_ENCODERS + OP_ENCODER_AC),
                                   ("encoders_no_encoder_ac", FLOAT8_ENCODERS + NO_ENCODER_AC))]
     return eager + [long] + [compiled(p) for p in eager] + longer + float8
@@ -593,7 +601,7 @@ def hetero(ngpu: int) -> list[Point]:
     """Encoder layouts (issue 13) on the full 8B, realistic rows: data parallel with encoders
     per rank (default) vs items balanced over all ranks; at 32K with Ulysses over all GPUs,
     encoders replicated on the SP ranks vs items split over them vs balanced."""
-    dp, balance = SEL, ("--parallelism.encoder_sequence_parallel", "balance")
+    dp, balance = SEL, BALANCE
     sp = ("--parallelism.ulysses_degree", str(ngpu))
     points = [
         Point(f"omni_8B_8k_dp{ngpu}_realistic", LLAMA8B, ngpu, 8192, dp, workload="realistic"),

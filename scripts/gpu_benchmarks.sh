@@ -12,7 +12,8 @@
 # those points (in the plan's order), e.g. moe_4gpu=moe_30B-A3B_12L_8k_ep4_text_exact. Tables go
 # to $OUT (or bench_out/), the training logs and the tables' JSON rows into one archive there
 # (a device call brings back at most 8 files), the summaries of profiled steps
-# (scripts/summarize_trace.py) into traces.txt; the tables are printed last.
+# (scripts/summarize_trace.py, every rank's: where one rank idles, another may be the slow one)
+# into traces.txt; the tables are printed last.
 #
 # EXTRA="<arguments>" appends trainer arguments to every point (bench_scaling.py --extra), e.g.
 # EXTRA="--profiling.enable_profiling --profiling.profile_freq 20" with a 30-step point profiles
@@ -83,10 +84,11 @@ done
 # the JSON rows travel in the archive: a device call brings back at most 8 files
 for rows in "$out"/*.json; do [ -f "$rows" ] && mv "$rows" "$logs/"; done
 tar -czf "$out/logs.tar.gz" -C "$logs" . 2>/dev/null
-for trace in outputs/bench_*/profile_traces/*/rank0_trace.json; do
+for trace in outputs/bench_*/profile_traces/*/rank*_trace.json; do  # every rank: their skew
   [ -f "$trace" ] || continue
   python3 scripts/summarize_trace.py --top 15 "$trace" >> "$out/traces.txt"
-  if [ -n "${KEEP_TRACES:-}" ]; then  # the raw traces too, gzipped, one archive (under 16 MiB)
+  if [ -n "${KEEP_TRACES:-}" ] && [ "${trace##*/}" = rank0_trace.json ]; then
+    # rank 0's raw traces too, gzipped, one archive (under 16 MiB)
     point=${trace#outputs/bench_}
     mkdir -p "$logs/traces" && gzip -c "$trace" > "$logs/traces/${point%%/*}_rank0_trace.json.gz"
   fi

@@ -20,7 +20,8 @@ from tests.models.batches import mixed_batch
 from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan_omni.components.quantization import (
-    FLOAT8_CONVERTER, OMNI_FLOAT8_FILTERS, prepare_float8,
+    ENCODERS_FILTER, FLOAT8_CONVERTER, FLOAT8_ENCODERS_CONVERTER, OMNI_FLOAT8_FILTERS,
+    prepare_float8,
 )
 from torchtitan_omni.config.manager import parse_job_config
 from torchtitan_omni.modules.linear_cross_entropy import LinearHead
@@ -52,13 +53,11 @@ class _Dims:
 
 def convert_as_trainer(model: torch.nn.Module, *extra: str) -> torch.nn.Module:
     """``model`` converted in place as the trainer converts it for ``model.converters =
-    ["float8"]`` (:func:`prepare_float8`, then TorchTitan's converter); ``extra``: more
-    arguments (e.g. ``--quantize.linear.float8.emulate``)."""
-    from torchtitan.components.quantization.float8 import Float8LinearConverter
-
+    ["float8"]`` (:func:`prepare_float8`, then the converters from TorchTitan's registry);
+    ``extra``: more arguments (e.g. ``--quantize.linear.float8.emulate``)."""
     job = _job("--model.converters", "float8", *extra)
     prepare_float8(job)
-    Float8LinearConverter(job, _Dims()).convert(model)
+    build_model_converters(job, _Dims()).convert(model)
     return model
 
 
@@ -68,6 +67,13 @@ def test_filters_are_added_only_with_float8(float8_allowed):
     assert prepare_float8(job) == ["w2", *OMNI_FLOAT8_FILTERS]
     assert prepare_float8(job) == ["w2", *OMNI_FLOAT8_FILTERS]  # idempotent
     assert job.model.converters == [FLOAT8_CONVERTER]
+    # the encoders: TorchTitan's converter still skips them, the omni converter takes them
+    job = _job("--model.converters", "float8", "--omni.float8_encoders")
+    for _ in range(2):  # idempotent
+        left = prepare_float8(job)
+        assert ENCODERS_FILTER not in left
+        assert ENCODERS_FILTER in job.quantize.linear.float8.filter_fqns
+        assert job.model.converters == [FLOAT8_CONVERTER, FLOAT8_ENCODERS_CONVERTER]
 
 
 @pytest.mark.parametrize("names", [["float8"], [FLOAT8_CONVERTER], ["float8", FLOAT8_CONVERTER]])
@@ -131,6 +137,52 @@ def test_encoders_join_float8_when_asked(float8_allowed):
                   for n in sorted(in_encoders) if n.startswith("encoders.vision."))
     assert torch.isfinite(loss) and vision.weight.grad is not None
     assert float(vision.weight.grad.abs().sum()) > 0
+
+
+def scaled_mm_inner_dims(run, monkeypatch) -> list[int]:
+    """The inner dimension of every ``torch._scaled_mm`` that ``run()`` calls (torchao calls
+    it inside its float8 tensors' dispatch, where a dispatch mode does not see it)."""
+    inner = []
+    scaled_mm = torch._scaled_mm
+
+    def recorded(a, b, *args, **kwargs):
+        inner.append(a.shape[1])
+        return scaled_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recorded)
+    run()
+    return inner
+
+
+def test_encoder_float8_matmuls_pad_rows_to_16(float8_allowed, monkeypatch):
+    """An encoder's row count follows the batch's media, and its weight gradients' float8
+    matmuls run over those rows, where ``torch._scaled_mm`` on a GPU takes only multiples of 16
+    (11,048 patches failed on 2x H200). The encoders' float8 linears pad each matmul's inner
+    dimension; the foundation's keep torchao's default. Real (not emulated) float8 matmuls on
+    CPU, which runs any size: the vision tower over 12 patches (3 merged rows)."""
+    pytest.importorskip("torchao.float8")
+    from torchtitan.components.quantization import float8 as titan_float8
+
+    monkeypatch.setattr(titan_float8, "has_cuda_capability", lambda *_: True)  # as on Hopper
+    spec = get_train_spec("llama_omni")
+    model = convert_as_trainer(spec.model_cls(spec.model_args["debugmodel"]),
+                               "--omni.float8_encoders")
+    model.init_weights()
+    float8 = {n: m for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+    assert {n for n, m in float8.items() if m.config.pad_inner_dim} == {
+        n for n in float8 if n.startswith("encoders.")}
+    vision = model.encoders["vision"]
+    media = {"patches": torch.randn(12, vision.args.patch_dim),
+             "grid_thw": torch.tensor([[1, 2, 6]])}
+
+    def step():
+        vision.lm_encode(media, "image").square().sum().backward()
+
+    inner = scaled_mm_inner_dims(step, monkeypatch)
+    linears = sum(1 for n in float8 if n.startswith("encoders.vision."))
+    assert len(inner) == 3 * linears  # forward, input gradient, weight gradient
+    assert all(k % 16 == 0 for k in inner), sorted(set(inner))
+    assert vision.merger.mlp.layers[0].weight.grad is not None
 
 
 def test_converter_swaps_only_foundation_blocks(float8_allowed):
