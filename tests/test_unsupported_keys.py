@@ -261,6 +261,16 @@ def test_float8_needs_torchao(on_gpu):
         "--model.converters", "float8")
 
 
+def test_float8_encoders_refuse_a_float8_recipe(on_gpu):
+    """The encoders' float8 converter scales tensorwise only: a recipe would reach the
+    foundation alone, so the pair is refused rather than half applied."""
+    _parse("--model.converters", "float8", "--omni.float8_encoders")
+    _parse("--model.converters", "float8", "--quantize.linear.float8.recipe_name", "rowwise")
+    assert "omni.float8_encoders supports only tensorwise float8" in _refused_line(
+        "--model.converters", "float8", "--omni.float8_encoders",
+        "--quantize.linear.float8.recipe_name", "rowwise")
+
+
 def test_float8_needs_compute_capability_8_9(on_gpu):
     _parse("--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "output")
     on_gpu.setattr(V, "cuda_capability", lambda: (8, 0))

@@ -190,7 +190,8 @@ class Omni:
     float8_encoders: bool = False
     """With float8 model.converters: the encoders' linears in float8 too (their blocks and
     projectors; TorchTitan's rule still skips dimensions not divisible by 16; each matmul's
-    inner dimension padded to 16, as the media's row counts need). Off: float8 covers the
+    inner dimension padded to 16, as the media's row counts need; tensorwise scales, weights
+    gathered in bf16; a quantize.linear.float8.recipe_name is refused). Off: float8 covers the
     foundation's blocks only. Decoders, the text head and MoE routers stay bf16. On the
     realistic rows on 2x H200 it was slower (0.94x): the default stays off."""
 

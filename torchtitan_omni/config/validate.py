@@ -146,6 +146,12 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
                 "selective (without a recompute there is no exchange to spare)")
     if cfg.omni.float8_encoders and (problem := needs_float8(True, cfg, None)):
         raise ConfigError(f"omni.float8_encoders {problem}")
+    if cfg.omni.float8_encoders and cfg.quantize.linear.float8.recipe_name:
+        # the encoders' converter implements TorchTitan's default, tensorwise scaling only
+        raise ConfigError(
+            "omni.float8_encoders supports only tensorwise float8 (leave "
+            f"quantize.linear.float8.recipe_name unset, not "
+            f"{cfg.quantize.linear.float8.recipe_name!r})")
     if cfg.omni.encoder_checkpoint_min_tokens < 0:
         raise ConfigError(f"omni.encoder_checkpoint_min_tokens must be >= 0 (0: checkpoint "
                           f"every call), got {cfg.omni.encoder_checkpoint_min_tokens}")
