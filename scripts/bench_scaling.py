@@ -309,10 +309,11 @@ def omni_2gpu() -> list[Point]:
     float8 = [as_float8(compiled(p))
               for p in eager if p.name in ("stock_llama3_8B_8k_fsdp2", "omni_8B_8k_text_only",
                                            "omni_8B_8k_realistic")]
-    # the realistic rows' float8 point (49.1% model-FLOPs MFU, twelfth session) with the
-    # encoders' media items balanced over the ranks, without encoder AC, with the encoders'
-    # linears in float8 too (also with per-op or no encoder AC): what the encoders' skew
-    # between ranks, recompute and bf16 matmuls still cost against the 55% target
+    # the realistic rows' float8 point (47.5% model-FLOPs MFU over 24 steps, thirteenth
+    # session) with the encoders' media items balanced over the ranks, without encoder AC,
+    # with the encoders' linears in float8 too (also with per-op or no encoder AC): what the
+    # encoders' skew between ranks, recompute and bf16 matmuls still cost against the 55%
+    # target
     realistic = float8[-1]
     float8 += [dataclasses.replace(realistic, name=f"{realistic.name}_{tag}",
                                    args=realistic.args + flags)
