@@ -76,6 +76,17 @@ def test_hf_checkpoint_loads_under_every_layout(flavor, hf, four_ranks, two_rank
         _check_loaded(name, results, hf, flavor, HF_LAYOUTS[name][3])
 
 
+@pytest.mark.slow  # checks the shared 4-rank and 2-rank runs (conftest: ~30 s on 2 cores)
+def test_experts_skip_fsdp_only_on_a_one_rank_expert_mesh_with_every_block_checkpointed(
+        four_ranks, two_ranks):
+    """EP over every rank with full AC leaves the experts out of FSDP (the layout the checks
+    above load into); EP2 on 2 ranks without AC (the test config's) and EP2 beside efsdp 2
+    keep their FSDP unit."""
+    layouts = _layouts(four_ranks, two_ranks, "moe")
+    flags = {name: results[0]["experts_in_fsdp"] for name, results in layouts.items()}
+    assert flags == {"ep2": True, "ep2_full_ac": False, "fsdp4_ep2": True, "sp2_ep2": True}
+
+
 def test_bf16_checkpoint_converts_to_the_parameter_dtype(tmp_path):
     """A single-file bf16 checkpoint loads into float32 parameters value for value."""
     from torchtitan_omni.checkpoint.weights import load_initial_weights

@@ -3,7 +3,8 @@ session: starting ranks costs more on 2 cores than the work).
 
 4 ranks: HF loading under FSDP4, HSDP 2x2, FSDP2 x SP2, FSDP4 x EP2 and SP2 x EP2; two training
 steps saved under FSDP4 (Llama) and FSDP4 x EP2 (Qwen3-MoE), reloaded as FSDP2 x SP2 (x EP2).
-2 ranks: HF loading under FSDP2 and EP2; the 4-rank checkpoints reloaded as FSDP2 and EP1;
+2 ranks: HF loading under FSDP2 and EP2 (with full AC too: the experts outside FSDP); the 4-rank
+checkpoints reloaded as FSDP2, EP1 and EP2 with full AC;
 rank 0 exports them to HF folders, both ranks import those back to DCP.
 """
 
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from tests.checkpoint.common import MiniTrainer, build, full_state, has_module, rank0, text_logits
 
 FSDP = "--parallelism.data_parallel_shard_degree"
 SP = "--parallelism.ulysses_degree"
 EP = "--parallelism.expert_parallel_degree"
+FULL_AC = ("--activation_checkpoint.mode", "full")
 HAS_SP = has_module("torchtitan_omni.distributed.ulysses")
 HAS_EP = has_module("torchtitan_omni.distributed.expert_parallel")
 SEQ = 16
@@ -26,6 +29,8 @@ TOKENS = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(
 HF_LAYOUTS = {
     "fsdp2": (2, "llama", (FSDP, "2"), 1),
     "ep2": (2, "moe", (FSDP, "2", EP, "2"), 1),
+    # every block checkpointed: the experts skip FSDP (EP2 over both ranks)
+    "ep2_full_ac": (2, "moe", (FSDP, "2", EP, "2", *FULL_AC), 1),
     "fsdp4": (4, "llama", (FSDP, "4"), 1),
     "hsdp2x2": (4, "llama", ("--parallelism.data_parallel_replicate_degree", "2", FSDP, "2"), 2),
     "fsdp2_sp2": (4, "llama", (FSDP, "2", SP, "2"), 1),
@@ -38,6 +43,7 @@ RELOADS = {
     "moe_sp2_ep2": (4, "moe", (FSDP, "2", SP, "2", EP, "2")),
     "llama_fsdp2": (2, "llama", (FSDP, "2")),
     "moe_ep1": (2, "moe", (FSDP, "2")),
+    "moe_ep2_full_ac": (2, "moe", (FSDP, "2", EP, "2", *FULL_AC)),
 }
 COMMON = ("--checkpoint.interval", "1")
 
@@ -62,6 +68,8 @@ def _hf_layouts(world: int, hf_folders: dict) -> dict:
             "logits": text_logits(model, dims, TOKENS, SEQ), "read": report.bytes_read,
             "total": report.checkpoint_bytes, "sp": dims.sp,
             "sp_rank": dims.get_mesh("sp").get_local_rank() if dims.sp_enabled else 0,
+            "experts_in_fsdp": any(isinstance(m, FSDPModule) for n, m in model.named_modules()
+                                   if n.endswith(".experts")),
         }
     return out
 

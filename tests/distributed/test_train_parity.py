@@ -1,6 +1,6 @@
 """``run_train.sh`` end to end: each spec's debug config with Ulysses 2 (and, for the MoE spec,
 expert parallel 2, with either exact dispatcher: every routed copy, or each token once per
-rank) on 2 CPU ranks gives the per-step losses of the single-rank run (the same samples: one
+rank; and with full AC, where the experts skip FSDP) on 2 CPU ranks gives the per-step losses of the single-rank run (the same samples: one
 data-parallel rank either way) within 1e-4, under ``--debug.deterministic``.
 
 The chunked expert exchange (``parallelism.expert_dispatch_chunks`` 2) on 4 ranks, everything
@@ -36,6 +36,11 @@ CASES = {
         "--parallelism.expert_parallel_degree",
         "2",
     ),
+    # every block checkpointed: the experts skip FSDP (their mesh is one rank: EP2 over both)
+    "qwen3_moe_omni:outside_fsdp": (
+        "--parallelism.ulysses_degree", "2", "--parallelism.expert_parallel_degree", "2",
+        "--activation_checkpoint.mode", "full",
+    ),
     # the exact dispatcher sending each token once per rank
     "qwen3_moe_omni:tokens": (
         "--parallelism.ulysses_degree", "2", "--parallelism.expert_parallel_degree", "2",
@@ -67,6 +72,8 @@ def test_sp_ep_losses_match_single_rank(spec):
         assert "moe: max/mean" in para.output and "dropped 0 (0.00%)" in para.output
     if variant == "tokens":
         assert "each token sent once per rank" in para.output
+    if model == "qwen3_moe_omni":  # without AC the experts keep their one-rank FSDP unit
+        assert ("Experts outside FSDP" in para.output) == (variant == "outside_fsdp")
     for step in range(1, STEPS + 1):
         assert abs(para.losses[step] - base.losses[step]) <= TOL, (step, base.losses, para.losses)
         for name, value in base.named[step].items():

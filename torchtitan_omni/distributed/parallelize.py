@@ -16,8 +16,9 @@ Order (each step reads the spec's ``OmniParallelPlan``):
    ``torchtitan_omni.distributed.compile``); blocks that break the graph are compiled before
    step 4, so their checkpoint wraps the compiled pieces (not under per-op selective AC); then
    activation offload of the LLM's blocks (``omni.activation_offload``);
-6. FSDP2: experts over the expert mesh, then each part's groups (modules sharing a
-   parameter, one ``fully_shard`` of a list), units and the part over the part's mesh (its
+6. FSDP2: experts over the expert mesh (none where that mesh is one rank and every LLM block
+   is checkpointed: :func:`experts_outside_fsdp`), then each part's groups (modules sharing
+   a parameter, one ``fully_shard`` of a list), units and the part over the part's mesh (its
    ``fsdp_mesh``; with ``fsdp_unit`` "part" the part alone), then the root. Every reduction
    is a plain sum (the loss is already divided by the global target count; gloo has no
    AVG/PREMUL_SUM).
@@ -151,6 +152,22 @@ def _prefetch_next_block(model: nn.Module, part: PartLayout) -> None:
         block.set_modules_to_forward_prefetch([following])
 
 
+def experts_outside_fsdp(dims: OmniParallelDims, job_config: JobConfig) -> bool:
+    """Whether expert-parallel experts skip FSDP: when their FSDP mesh (dp_replicate x efsdp)
+    is one rank, each expert lives on one rank only, so there is nothing to gather and its
+    gradient is complete where it is computed. A one-rank unit would still copy its
+    parameters in and out of a gather and a reduce-scatter per layer and pass. Only where every
+    LLM block is checkpointed (full, or per-op selective AC, or every block's): the experts
+    then cast their parameters to the compute dtype inside the checkpoint, and autograd keeps
+    no cast copy until the backward. Not with CPU offload, which must move them."""
+    emesh = dims.expert_mesh()
+    ac = job_config.activation_checkpoint
+    every_block = ac.mode == "full" or (
+        ac.mode == "selective" and str(ac.selective_ac_option) in ("op", "1"))
+    return (emesh is not None and emesh.size() == 1 and every_block
+            and not job_config.training.enable_cpu_offload)
+
+
 def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
                job_config: JobConfig, expert_names: list[str] = ()) -> dict[str, str]:
     """FSDP2 per part (see the module docstring); returns each part's mesh choice."""
@@ -163,6 +180,8 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
     # training.enable_cpu_offload: sharded parameters, gradients and optimizer state live in
     # host memory; each unit's parameters come to the GPU for its forward and backward only
     offload = CPUOffloadPolicy() if job_config.training.enable_cpu_offload else OffloadPolicy()
+    # experts left out of FSDP: every unit that encloses them must ignore their parameters
+    ignored: set[nn.Parameter] = set()
 
     def shard(module: nn.Module | list[nn.Module], mesh, **kwargs) -> None:
         group = module if isinstance(module, list) else [module]
@@ -170,9 +189,16 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
             return  # already a unit (e.g. an fp32 module that is also listed as a unit)
         policy = _fp32_policy(mp) if any(m is f for m in group for _, f in fp32) else mp
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard,
-                    offload_policy=offload, **kwargs)
+                    offload_policy=offload, ignored_params=ignored or None, **kwargs)
 
-    if expert_names:
+    if expert_names and experts_outside_fsdp(dims, job_config):
+        for name in expert_names:
+            experts = model.get_submodule(name)
+            experts.compute_dtype = mp.param_dtype
+            ignored.update(experts.parameters())
+        logger.info(f"Experts outside FSDP (EP{dims.ep} over every data and SP rank: each "
+                    f"expert on one rank), computing in {mp.param_dtype}")
+    elif expert_names:
         emesh = dims.expert_mesh()
         efsdp = dims.get_mesh("efsdp").size()
         for name in expert_names:
@@ -205,7 +231,7 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
     for _, module in fp32:
         shard(module, default_mesh)  # fp32 modules outside every part
     fully_shard(model, mesh=default_mesh, mp_policy=mp, reshard_after_forward=False,
-                offload_policy=offload)
+                offload_policy=offload, ignored_params=ignored or None)
     _sum_reductions(model)
     return choices
 

@@ -117,8 +117,8 @@ class ExpertGroups:
     """How the rows of one experts forward are grouped by local expert, shared by its three
     projections: exact groups (``x`` ``[M, in]`` sorted by expert, ``counts`` per expert; the
     int32 end offsets for grouped GEMM are computed once) or padded groups (``x`` ``[E, R, in]``,
-    ``counts`` None). ``compute_dtype``: bfloat16 under CUDA autocast (inputs and weights are
-    cast), else None."""
+    ``counts`` None). ``compute_dtype``: what inputs and weights are cast to (the experts'
+    ``compute_dtype``, else bfloat16 under CUDA autocast), or None."""
 
     def __init__(
         self, counts: torch.Tensor | None, compute_dtype: torch.dtype | None = None
@@ -185,6 +185,10 @@ class GroupedExperts(nn.Module):
         self.active_fraction = 1.0
         #: None: grouped_mm when usable (CUDA, bf16); False: always the exact per-expert path
         self.use_grouped_mm: bool | None = None
+        #: the dtype the projections compute in, set by the framework when no FSDP unit casts
+        #: the parameters (``torchtitan_omni.distributed.parallelize``); None: as they come,
+        #: or bfloat16 under CUDA autocast
+        self.compute_dtype: torch.dtype | None = None
 
     @property
     def num_local_experts(self) -> int:
@@ -201,9 +205,10 @@ class GroupedExperts(nn.Module):
                 f"GroupedExperts got token counts for {n_groups} experts but holds "
                 f"{local} (local) experts"
             )
-        dtype = None
+        dtype = self.compute_dtype
         if (
-            x.is_cuda
+            dtype is None
+            and x.is_cuda
             and torch.is_autocast_enabled("cuda")
             and torch.get_autocast_dtype("cuda") == torch.bfloat16
         ):
