@@ -1,7 +1,8 @@
 """``run_train.sh`` end to end: each spec's debug config with Ulysses 2 (and, for the MoE spec,
 expert parallel 2, with either exact dispatcher: every routed copy, or each token once per
-rank; and with full AC, where the experts skip FSDP) on 2 CPU ranks gives the per-step losses of the single-rank run (the same samples: one
-data-parallel rank either way) within 1e-4, under ``--debug.deterministic``.
+rank; and with full AC, where the experts skip FSDP) on 2 CPU ranks gives the per-step losses
+of the single-rank run (the same samples: one data-parallel rank either way) within 1e-4,
+under ``--debug.deterministic``.
 
 The chunked expert exchange (``parallelism.expert_dispatch_chunks`` 2) on 4 ranks, everything
 on (FSDP with the experts' own efsdp unit, Ulysses, EP 2, capacity-padded dispatch):

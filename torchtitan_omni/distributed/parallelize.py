@@ -59,6 +59,7 @@ from torchtitan_omni.distributed.expert_parallel import apply_expert_parallel
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.rank_sets import RankSetDims
 from torchtitan_omni.distributed.split_model import split_model
+from torchtitan_omni.modules.moe import GroupedExperts
 from torchtitan_omni.distributed.ulysses import kv_replication, make_runner
 from torchtitan_omni.lora import apply_lora_config
 from torchtitan_omni.platform import is_cpu
@@ -193,9 +194,9 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
 
     if expert_names and experts_outside_fsdp(dims, job_config):
         for name in expert_names:
-            experts = model.get_submodule(name)
-            experts.compute_dtype = mp.param_dtype
-            ignored.update(experts.parameters())
+            grouped = cast(GroupedExperts, model.get_submodule(name))
+            grouped.compute_dtype = mp.param_dtype
+            ignored.update(grouped.parameters())
         logger.info(f"Experts outside FSDP (EP{dims.ep} over every data and SP rank: each "
                     f"expert on one rank), computing in {mp.param_dtype}")
     elif expert_names:
