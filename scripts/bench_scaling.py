@@ -321,6 +321,12 @@ def omni_2gpu() -> list[Point]:
                                   ("encoders", FLOAT8_ENCODERS),
                                   ("encoders_encoder_ac_op", FLOAT8_ENCODERS + OP_ENCODER_AC),
                                   ("encoders_no_encoder_ac", FLOAT8_ENCODERS + NO_ENCODER_AC))]
+    # the same logging every 8 steps, one pass over the 16 rows per line: the points above log
+    # every step, and each log line makes the host wait for the GPU (the fourteenth session's
+    # trace: a rank's GPU idles 63 and 24 ms after its step's two host reads)
+    float8.append(dataclasses.replace(realistic, name=f"{realistic.name}_log8",
+                                      args=realistic.args + ("--metrics.log_freq", "8"),
+                                      steps=32, warmup=8, estimate_s=150))
     return eager + [long] + [compiled(p) for p in eager] + longer + float8
 
 
