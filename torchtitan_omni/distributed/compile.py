@@ -14,8 +14,8 @@ times and never again. :func:`compiled_graphs` counts the compilations; the trai
 them (``compile/graphs``).
 
 A block whose forward cannot be one graph says so with ``compile_fullgraph`` False (an MoE
-block under expert parallel: its experts are an FSDP unit of their own, whose hooks dynamo
-never traces, and the exact dispatcher reads split sizes on the host). It is compiled in
+block under expert parallel: its experts are usually an FSDP unit of their own, whose hooks
+dynamo never traces, and the exact dispatcher reads split sizes on the host). It is compiled in
 pieces with graph breaks, and *before* activation checkpointing (``compile_units(...,
 graph_breaks=True)``), so the checkpoint wraps the compiled pieces: dynamo cannot split a
 checkpointed region, and a graph break inside one would run the whole block eagerly. Its

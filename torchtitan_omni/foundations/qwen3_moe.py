@@ -69,9 +69,10 @@ class Qwen3MoeBlock(PreNormBlock):
     @property
     def compile_fullgraph(self) -> bool:
         """One graph, unless the dispatcher reads split sizes on the host (the exact
-        expert-parallel all-to-all) or the experts are sharded over ``ep`` (then they are an
-        FSDP unit of their own, whose hooks dynamo never traces): ``torch.compile`` then breaks
-        the graph there."""
+        expert-parallel all-to-all) or the experts are sharded over ``ep`` (then they are
+        usually an FSDP unit of their own, whose hooks dynamo never traces; where they skip
+        FSDP they are still compiled in pieces, untried as one graph): ``torch.compile`` then
+        breaks the graph there."""
         return not self.moe.dispatcher.host_sync and not isinstance(self.moe.experts.w1, DTensor)
 
     def forward(self, x: torch.Tensor, meta: AttentionMeta) -> tuple[torch.Tensor, RoutingStats]:
