@@ -98,8 +98,16 @@ if [ -d "$logs/traces" ]; then
   size=$(stat -c %s "$out/traces.tar")
   [ "$size" -le 16000000 ] || { rm -f "$out/traces.tar"; echo "gpu_benchmarks: traces.tar ($size bytes) over the 16 MiB a file may bring back" | tee -a "$out/skipped.txt"; }
 fi
+# this tree's tables first, then the baseline tree's (their names sort first; a header marks
+# them, so that a row is never read as the other tree's)
 for table in "$out"/*.md; do
+  case ${table##*/} in baseline_*) continue ;; esac
   echo "== $table"
+  grep -v '^- `' "$table" | head -40
+done
+for table in "$out"/baseline_*.md; do
+  [ -f "$table" ] || continue
+  echo "== BASELINE TREE ($baseline): $table"
   grep -v '^- `' "$table" | head -40
 done
 # each profiled step's headline and timeline by part (the whole summaries are in traces.txt)
