@@ -545,8 +545,9 @@ def fixed_part_points(ep: int) -> list[Point]:
 
 def moe_2gpu() -> list[Point]:
     """Qwen3-MoE#Omni at the 30B-A3B layer shape cut to 12 layers on 2 GPUs (issue 12's EP2
-    figures): experts over both ranks (EP2, FSDP over both), full activation checkpointing, the
-    exact dispatcher, 8K: packed text, text in documents as long as the media rows', toy and
+    figures): experts over both ranks (EP2: each expert on one rank, outside FSDP under full AC
+    since 720d06a; the rest FSDP over both), full activation checkpointing, the exact
+    dispatcher, 8K: packed text, text in documents as long as the media rows', toy and
     realistic rows; packed text at 16K (whether the step scales with tokens); then text and toy
     compiled; long text and toy with a log line every 10 steps, with the NCCL and the NVSHMEM
     expert exchange (``parallelism.expert_exchange``); last text and realistic rows
