@@ -367,6 +367,12 @@ def llama_4gpu() -> list[Point]:
         *with_float8(compiled(Point("omni_8B_64k_sp4_realistic", LLAMA8B, 4, 65536,
                                     SEL + _sp(4), steps=8, warmup=3, workload="realistic",
                                     estimate_s=110), 90)),
+        # ... and float8 without any LLM AC (no recompute at all: 49.2-49.5% with per-op AC
+        # at 95.8 GiB, fifteenth session; full AC peaked at 68.9 and every second block at
+        # 95.1, so about 125 GiB is expected)
+        as_float8(compiled(Point("omni_8B_64k_sp4_no_ac_realistic", LLAMA8B, 4, 65536,
+                                 NO_AC + _sp(4), steps=8, warmup=3, workload="realistic",
+                                 estimate_s=110), 90)),
         # a log line every 10 steps (as omni_2gpu's *_log10 points), and the toy rows with
         # the encoders replicated
         *[Point(f"omni_8B_8k_{workload}_log10", LLAMA8B, 4, 8192, SEL + LOG10, steps=30,
@@ -738,12 +744,38 @@ def count_recompiles(log: str) -> int:
     return sum(RECOMPILE in line for line in log.splitlines())
 
 
-def step_time(steps: list[dict], warmup: int) -> float | None:
+def _flag_value(args: tuple[str, ...], flag: str, default: int) -> int:
+    """The last value given to ``flag`` in ``args`` (``--flag value`` or ``--flag=value``)."""
+    value = default
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = int(args[i + 1])
+        elif arg.startswith(flag + "="):
+            value = int(arg.split("=", 1)[1])
+    return value
+
+
+def profiled_steps(args: tuple[str, ...], last_step: int) -> set[int]:
+    """The steps a run with ``args`` slows by profiling: TorchTitan's profiler schedule
+    (``profile_freq`` steps a cycle, the last ``profiler_warmup`` + ``profiler_active`` of
+    them recorded) and the step after each recorded one (it writes the trace). Empty without
+    ``--profiling.enable_profiling``."""
+    if "--profiling.enable_profiling" not in args:
+        return set()
+    freq = _flag_value(args, "--profiling.profile_freq", 10)
+    recorded = (_flag_value(args, "--profiling.profiler_warmup", 3)
+                + _flag_value(args, "--profiling.profiler_active", 1))
+    slowed = {s for s in range(1, last_step + 1) if (s - 1) % freq >= freq - recorded}
+    return slowed | {s + 1 for s in range(1, last_step) if s % freq == 0}
+
+
+def step_time(steps: list[dict], warmup: int, skip: set[int] = frozenset()) -> float | None:
     """Median seconds per step between consecutive step lines after ``warmup`` (with a line
-    every ``log_freq`` steps, a gap is divided by the steps it spans)."""
+    every ``log_freq`` steps, a gap is divided by the steps it spans); gaps spanning a step of
+    ``skip`` are left out."""
     times = sorted((s["step"], s["time"]) for s in steps if "time" in s)
     gaps = [(t1 - t0) / (k1 - k0) for (k0, t0), (k1, t1) in zip(times, times[1:])
-            if k0 >= warmup]
+            if k0 >= warmup and not skip.intersection(range(k0 + 1, k1 + 1))]
     return statistics.median(gaps) if gaps else None
 
 
@@ -784,13 +816,23 @@ def _identity(point: Point) -> dict:
 
 
 def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "") -> dict:
-    """A point's row: medians over the steps after warm-up, peak memory over all."""
+    """A point's row: medians over the steps after warm-up that profiling did not slow
+    (:func:`profiled_steps`; all steps after warm-up where it slowed every one), peak memory
+    over all."""
     row = {**_identity(point), "rc": rc, "wall_s": round(wall_s), "command": point.shell(),
            "steps_logged": len(steps),
            "recompiles": count_recompiles(log) if point.compile else None}
     timed = [s for s in steps if s["step"] > point.warmup]
     if not timed:
         return row
+    profiled = profiled_steps(point.args, max(s["step"] for s in steps))
+    unprofiled = [s for s in timed if s["step"] not in profiled]
+    if unprofiled:
+        if len(unprofiled) < len(timed):
+            row["profiled_steps_left_out"] = len(timed) - len(unprofiled)
+        timed = unprofiled
+    else:
+        profiled = set()
     share = point.gpu_share()
     tps = share * statistics.median(s["tps"] for s in timed)
     # how much single steps differ: a ratio smaller than this spread says little
@@ -798,7 +840,7 @@ def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "")
     mfu = share * statistics.median(s["mfu"] for s in timed)
     tflops = share * statistics.median(s["tflops"] for s in timed)
     row.update(tps=tps, tps_range=tps_range, mfu=mfu, mem_gib=max(s["mem_gib"] for s in steps),
-               step_s=step_time(steps, point.warmup))
+               step_s=step_time(steps, point.warmup, profiled))
     if all("dropped_pct" in s for s in timed):
         row.update(max_over_mean=statistics.median(s["max_over_mean"] for s in timed),
                    dropped_pct=statistics.median(s["dropped_pct"] for s in timed))
@@ -928,7 +970,9 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
     """The markdown table of a run, then each point's command."""
     lines = [
         f"Device: {device}. tokens/s/GPU (every real LLM position, media included), MFU and "
-        "step time: medians over the steps after warm-up (steps' range: their slowest and "
+        "step time: medians over the steps after warm-up, leaving out those profiling "
+        "slows (the profiler's recorded steps and each trace's export) "
+        "(steps' range: their slowest and "
         "fastest step's tokens/s/GPU); vs stock / vs text-only / vs long text: tokens/s "
         "over the stock, omni text-only (packed short documents) and omni long-text (one "
         "document per row, as the media rows) points of the same GPUs, seq, compile "

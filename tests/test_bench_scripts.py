@@ -46,6 +46,29 @@ def test_step_lines_of_omni_and_stock_logs():
     assert "-m torchtitan.train" in row["command"] and "--training.seq_len 8192" in row["command"]
 
 
+def test_steps_slowed_by_profiling_are_left_out_of_the_medians():
+    """TorchTitan's profiler records the last 4 steps of each ``profile_freq`` cycle (3 warm-up,
+    1 active) and exports the trace in the step after: those steps are slower and leave the
+    medians; without profiling every step after warm-up counts."""
+    bench = _script("bench_scaling")
+    profile = ("--profiling.enable_profiling", "--profiling.profile_freq", "10")
+    assert bench.profiled_steps(profile, 12) == {7, 8, 9, 10, 11}
+    assert bench.profiled_steps(profile + ("--profiling.profiler_warmup=1",), 10) == {9, 10}
+    assert bench.profiled_steps((), 12) == set()
+    # steps 1-6 at 20,000 tokens/s (5 s apart), 7-10 at 10,000 (10 s apart) under the profiler
+    steps = [{"step": k, "time": 5.0 * min(k, 6) + 10.0 * max(0, k - 6), "mem_gib": 1.0,
+              "tps": 20000.0 if k <= 6 else 10000.0, "tflops": 0.0, "mfu": 0.0}
+             for k in range(1, 11)]
+    point = bench.Point("p", "x.toml", 1, 8192, profile, steps=10, warmup=2)
+    row = bench.summarize(point, steps, 1.0, 0)
+    assert row["tps"] == 20000.0 and row["step_s"] == 5.0 and row["profiled_steps_left_out"] == 4
+    unprofiled = bench.summarize(dataclasses.replace(point, args=()), steps, 1.0, 0)
+    assert unprofiled["tps"] == 15000.0 and "profiled_steps_left_out" not in unprofiled
+    # every step after warm-up profiled: all of them count (a figure, not an empty row)
+    late = bench.summarize(dataclasses.replace(point, warmup=7), steps, 1.0, 0)
+    assert late["tps"] == 10000.0
+
+
 def test_moe_field_of_step_lines():
     bench = _script("bench_scaling")
     line = OMNI_LINE + "  moe: max/mean 1.84 (layer 3) dropped 1,204 (0.52%)"

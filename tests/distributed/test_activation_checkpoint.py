@@ -94,3 +94,50 @@ def test_compiled_blocks_with_the_exemption_match_eager():
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
         for name, grad in ref_grads.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _Exchanging(torch.nn.Module):
+    """A linear, Ulysses' all-to-all (heads scattered, sequence gathered), a GELU and a second
+    linear: what a Ulysses attention block does around its exchanges."""
+
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.group = group
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(4, 8)  # half the heads (2 ranks) after the exchange
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torchtitan_omni.distributed.comm import all_to_all
+
+        h = self.a(x).unflatten(-1, (4, 2))  # (batch, seq, heads, head_dim)
+        h = all_to_all(h, 2, 1, self.group)
+        return self.b(torch.nn.functional.gelu(h.flatten(2)))
+
+
+def _exchanges_in_backward(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from tests.test_float8 import calls_in_backward
+    from torchtitan_omni.distributed import activation_checkpoint as ac
+
+    keeping, recomputing = (_Exchanging(dist.group.WORLD) for _ in range(2))
+    recomputing.load_state_dict(keeping.state_dict())
+    ac.checkpoint_units([keeping], "selective", "op")
+    x = torch.randn(1, 6, 8, generator=torch.Generator().manual_seed(rank))
+    ops = (torch.ops._c10d_functional.all_to_all_single.default,)
+    kept, grad = calls_in_backward(keeping, x, *ops)
+    ac._SAVE_OPS.discard("all_to_all_single")  # the policy before all-to-alls were kept
+    ac.checkpoint_units([recomputing], "selective", "op")
+    again, grad_again = calls_in_backward(recomputing, x, *ops)
+    return {"kept": kept, "again": again, "same_grad": torch.equal(grad, grad_again)}
+
+
+def test_per_op_checkpointing_keeps_the_all_to_all_results():
+    """Per-op selective AC keeps what an all-to-all received: the backward runs only the
+    gradient's exchange, not the forward's again in the recompute; gradients are the same
+    either way (2 gloo ranks)."""
+    from tests.harness import run_distributed
+
+    for result in run_distributed(_exchanges_in_backward, 2):
+        assert result["kept"] == 1 and result["again"] == 2, result
+        assert result["same_grad"], result

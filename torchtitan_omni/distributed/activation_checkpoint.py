@@ -3,11 +3,12 @@
 The LLM's units (the plan's ``ac_units`` of the ``llm`` part) follow TorchTitan's
 ``[activation_checkpoint]``: ``mode = "none" | "full" | "selective"``, where selective takes
 ``selective_ac_option`` = N (every N-th unit, counted per part) or ``"op"`` (every unit, saving
-the outputs of matmuls and attention and recomputing the rest). Encoder and decoder units
-follow their ``activation_checkpoint``: their ``[parallelism.parts."<part>"]`` table's, else
-``omni.encoder_activation_checkpoint`` (``"none" | "full" | "op"``, the last being the per-op
-selective mode). ``omni.encoder_checkpoint_min_tokens`` exempts their small calls: a unit
-whose input holds fewer rows (tokens, patches, frames) than that runs without a checkpoint.
+the outputs of matmuls, attention and all-to-alls and recomputing the rest). Encoder and
+decoder units follow their ``activation_checkpoint``: their ``[parallelism.parts."<part>"]``
+table's, else ``omni.encoder_activation_checkpoint`` (``"none" | "full" | "op"``, the last
+being the per-op selective mode). ``omni.encoder_checkpoint_min_tokens`` exempts their small
+calls: a unit whose input holds fewer rows (tokens, patches, frames) than that runs without a
+checkpoint.
 Those calls save little memory, and on the GPU their recompute is almost all host time (an
 encoder block on a few thumbnails: dozens of kernel launches for microseconds of work each).
 The result is the same either way: recomputing repeats the forward exactly.
@@ -58,13 +59,17 @@ from torchtitan_omni.distributed.recompute_tape import checkpoint_contexts
 from torchtitan_omni.modules.wrapping import extend_class
 
 # Per-op selective checkpointing keeps the outputs of these ops (by name, every overload):
-# matmuls (float8 linears run ``_scaled_mm`` on GPUs; emulated float8 runs ``mm``) and
-# attention. The rest is recomputed.
+# matmuls (float8 linears run ``_scaled_mm`` on GPUs; emulated float8 runs ``mm``),
+# attention, and all-to-alls (torch's functional collective: Ulysses' head/sequence
+# exchanges): recomputing an exchange would put communication back on the backward's
+# critical path (TorchTitan's MoE models keep theirs for the same reason). The rest is
+# recomputed.
 _SAVE_OPS = {
     "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_flash_attention_forward", "_efficient_attention_forward",
+    "all_to_all_single",
 }
 # ... and of these overloads: a whole tensor's max is what float8 scales come from (a scalar
 # to keep, as TorchTitan's list does; ``max.dim`` and the like are recomputed)
