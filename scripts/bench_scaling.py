@@ -367,12 +367,12 @@ def llama_4gpu() -> list[Point]:
         *with_float8(compiled(Point("omni_8B_64k_sp4_realistic", LLAMA8B, 4, 65536,
                                     SEL + _sp(4), steps=8, warmup=3, workload="realistic",
                                     estimate_s=110), 90)),
-        # ... and float8 without any LLM AC (no recompute at all: 49.2-49.5% with per-op AC
-        # at 95.8 GiB, fifteenth session; full AC peaked at 68.9 and every second block at
+        # ... and without any LLM AC (no recompute at all: float8 gave 49.2-49.5% with per-op
+        # AC at 95.8 GiB, fifteenth session; full AC peaked at 68.9 and every second block at
         # 95.1, so about 125 GiB is expected)
-        as_float8(compiled(Point("omni_8B_64k_sp4_no_ac_realistic", LLAMA8B, 4, 65536,
-                                 NO_AC + _sp(4), steps=8, warmup=3, workload="realistic",
-                                 estimate_s=110), 90)),
+        *with_float8(compiled(Point("omni_8B_64k_sp4_no_ac_realistic", LLAMA8B, 4, 65536,
+                                    NO_AC + _sp(4), steps=8, warmup=3, workload="realistic",
+                                    estimate_s=110), 90)),
         # a log line every 10 steps (as omni_2gpu's *_log10 points), and the toy rows with
         # the encoders replicated
         *[Point(f"omni_8B_8k_{workload}_log10", LLAMA8B, 4, 8192, SEL + LOG10, steps=30,

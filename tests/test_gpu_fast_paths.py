@@ -302,3 +302,20 @@ def test_compiled_float8_vision_tower_on_any_patch_count(float8_gpu):
             outs.append((out, x.grad))
         assert _rel(outs[1][0], outs[0][0]) < 0.1, grid
         assert _rel(outs[1][1], outs[0][1]) < 0.2, grid
+
+
+def test_deferred_read_does_not_wait_for_the_gpu():
+    """A log step's values are copied behind the queued kernels without the host waiting for
+    them: right after the read starts, the GPU is still busy (a long sleep kernel queued
+    first); its result then holds the values, names and shapes given."""
+    from torchtitan_omni.components.deferred_read import DeferredRead
+
+    parts = torch.tensor([1.5, -2.25], device="cuda")
+    counts = torch.arange(6, device="cuda").view(2, 3)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time, on any recent GPU
+    read = DeferredRead({"parts": parts, "counts": counts})
+    assert not read.done()  # the copy waits behind the sleep; the host did not
+    got = read.result()
+    assert read.done() and got["parts"].tolist() == [1.5, -2.25]
+    assert got["counts"].shape == (2, 3) and got["counts"].tolist() == [[0, 1, 2], [3, 4, 5]]

@@ -34,6 +34,28 @@ def test_deterministic_runs_are_identical():
     assert a.loss_list() == b.loss_list() and len(a.loss_list()) == 4
 
 
+@pytest.mark.slow
+def test_deferred_log_lines_carry_their_own_steps_values():
+    """A log step's line comes at the end of the next step (its values copied behind its
+    kernels), the last step's at once. Step 3's line, deferred in a 4-step run that logs every
+    other step, equals step 3 logged at once as the last of a 3-step run; the 4-step run logs
+    steps 1, 2 and 4 (its last) and nothing else."""
+    args = ("--debug.deterministic", "--debug.seed", "42", "--lr_scheduler.decay_type", "linear")
+    every_other = run_train(CONFIG, 2, *args, "--training.steps", "4", "--metrics.log_freq", "2",
+                            "--job.dump_folder", "outputs/test_trainer_deferred_a")
+    three = run_train(CONFIG, 2, *args, "--training.steps", "3", "--metrics.log_freq", "1",
+                      "--job.dump_folder", "outputs/test_trainer_deferred_b")
+    assert every_other.returncode == 0 and three.returncode == 0, (
+        every_other.output[-2000:] + three.output[-2000:])
+    assert sorted(every_other.losses) == [1, 2, 4], every_other.losses
+    four = run_train(CONFIG, 2, *args, "--training.steps", "4", "--metrics.log_freq", "1",
+                     "--job.dump_folder", "outputs/test_trainer_deferred_c")
+    assert four.returncode == 0, four.output[-2000:]
+    assert four.losses[3] == three.losses[3], (four.losses, three.losses)
+    assert four.losses[4] == every_other.losses[4], (four.losses, every_other.losses)
+    assert four.losses[3] != four.losses[4]
+
+
 def _check(args, ngpu=1):
     return subprocess.run(
         ["bash", "run_train.sh", *args], cwd=REPO, capture_output=True, text=True,

@@ -170,3 +170,4 @@ def log_shared_line(trainer: Any, line: dict[str, Any], lr: float) -> None:
     trainer.last_losses = line["losses"]
     metrics.log_losses(line["step"], line["total"], line["max_loss"], line["losses"],
                        line["grad_norm"], extra_metrics={**line["extra"], "lr": lr})
+    trainer.on_line_logged(line["step"], line["losses"], metrics.last_metrics)

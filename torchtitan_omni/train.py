@@ -12,7 +12,11 @@ Run as ``python -m torchtitan_omni.train --job.config_file CONFIG [--section.key
 - ``[validation]`` runs ``torchtitan_omni.eval.validator.OmniValidator`` (held-out loss per
   named loss and per document modality mix).
 - MoE foundations' expert load per layer and dropped token copies are logged
-  (``torchtitan_omni.components.moe_metrics``), read on the host once per log step;
+  (``torchtitan_omni.components.moe_metrics``);
+- a log step's device values (losses, gradient norm, MoE counts) are copied to the host behind
+  its kernels and its line is logged at the end of the next step
+  (``components.deferred_read``): the host does not wait for the GPU to finish the step (the
+  last step, a validating step and non-colocated encoders log at once);
 - non-colocated encoders (``[parallelism.parts."encoders.<name>"] ranks``): each rank set
   gets its own meshes (``distributed.rank_sets``) and share of the model
   (``distributed.split_model``); LLM ranks exchange each micro-batch's media with the encoder
@@ -32,6 +36,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn
 
@@ -49,7 +54,8 @@ from torchtitan.train import Trainer
 from torchtitan_omni.checkpoint import setup_checkpointing, titan_checkpointer_off
 from torchtitan_omni.config.manager import parse_job_config_or_exit
 from torchtitan_omni.components.inputs import ModelInputs, model_inputs
-from torchtitan_omni.components.metrics import COMPILED_GRAPHS
+from torchtitan_omni.components.deferred_read import DeferredRead
+from torchtitan_omni.components.metrics import COMPILED_GRAPHS, LogWindow
 from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
 from torchtitan_omni.components.quantization import float8_encoders, prepare_float8
 from torchtitan_omni.distributed.boundary import balance_metrics
@@ -90,10 +96,27 @@ from torchtitan_omni.protocols import batch as B
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
+@dataclass
+class PendingLog:
+    """A log step's line waiting for its device values (logged at the end of the next step,
+    :meth:`OmniTrainer.flush_log`): the values being copied, the throughput window, the loss
+    parts' names (``counted``: those with targets, weighted by the loss; the rest auxiliary),
+    the host-side metrics, and the steps the MoE counts cover."""
+
+    step: int
+    read: DeferredRead
+    window: LogWindow
+    part_names: list[str]
+    counted: frozenset[str]
+    extra: dict[str, Any]
+    moe_steps: int
+
+
 class OmniTrainer(Trainer):
     """TorchTitan's trainer for omni batches (see the module docstring)."""
 
     def __init__(self, job_config: JobConfig) -> None:
+        self._pending_log: PendingLog | None = None
         float8 = prepare_float8(job_config)
         with titan_checkpointer_off(job_config):  # ours replaces it (checkpoint.trainer_setup)
             super().__init__(job_config)
@@ -109,6 +132,7 @@ class OmniTrainer(Trainer):
                 self.validator.maybe_enable_amp = self.maybe_enable_amp
         dims: OmniParallelDims = self.parallel_dims
         self.sp_rank = dims.get_mesh("sp").get_local_rank() if dims.sp_enabled else 0
+        #: the named losses of the last line logged (lines come one step late: ``flush_log``)
         self.last_losses: dict[str, float] = {}
         #: non-colocated encoders: the rank sets, and this rank's side of the exchange
         self.rank_sets: RankSets | None = None
@@ -222,7 +246,11 @@ class OmniTrainer(Trainer):
             lambda: torch.zeros((), dtype=torch.long)
         )
         for _ in range(self.gradient_accumulation_steps):
-            batch, labels = next(data_iterator)
+            try:
+                batch, labels = next(data_iterator)
+            except DataloaderExhaustedError:
+                self.flush_log()  # the last step's line, before the loop ends
+                raise
             self.metrics_processor.flops_since_last_log += self.flop_counter.batch(
                 batch[B.CU_SEQLENS], dims.sp, batch=batch, labels=labels
             )
@@ -274,57 +302,96 @@ class OmniTrainer(Trainer):
         self.optimizers.step()
         self.lr_schedulers.step()
 
+        # the previous log step's line: its values were copied behind that step's kernels,
+        # which the GPU has run by now (or is about to)
+        self.flush_log()
         if not self.metrics_processor.should_log(self.step):
             return
         part_names = list(sums)
         local_parts = torch.stack([sums[n].float() for n in part_names])
         # Each part is (local sum / global count): summing over ranks gives the global mean.
         global_parts = all_reduce(local_parts, loss_mesh)
-        losses = {n: float(v) for n, v in zip(part_names, global_parts)}
-        total = sum(
-            (self.loss_fn.weight(n) if n in global_counts else self.loss_fn.aux_weight) * v
-            for n, v in losses.items()
-        )
         # Largest per-rank mean of the text loss (TorchTitan's global_max_loss).
         text = "text"
         local_text = sums[text].float() * (
             int(host_counts[text].clamp(min=1)) / int(local_counts[text].clamp(min=1))
         )
-        max_loss = float(all_reduce(local_text.reshape(1), loss_mesh, op="max")[0])
-        self.last_losses = losses
+        max_loss = all_reduce(local_text.reshape(1), loss_mesh, op="max")
+        reads = {"parts": global_parts, "max_loss": max_loss, "grad_norm": grad_norm.reshape(1)}
+        counts, moe_steps = self.moe_counter.take()
+        if counts is not None:
+            reads["moe_loads"], reads["moe_totals"] = reduce_moe_counts(
+                counts, dims.get_optional_mesh("ep"), dims.get_optional_mesh("loss"))
         extra = {"n_tokens_seen": self.ntokens_seen, "lr": lr,
                  **{f"targets/{n}": int(c) for n, c in host_counts.items()},
-                 **self._skipped_samples(), **self._compile_stats(), **self._moe_stats(),
+                 **self._skipped_samples(), **self._compile_stats(),
                  **balance_metrics(getattr(self.model_parts[0], "encoders", {}))}
+        read = DeferredRead(reads)
+        now = self._log_now()
+        if now:
+            read.result()  # the window then ends when the step has run, not when it was queued
+        self._pending_log = PendingLog(self.step, read, self.metrics_processor.close_window(),
+                                       part_names, frozenset(global_counts), extra, moe_steps)
+        if now:
+            self.flush_log()
+
+    def _log_now(self) -> bool:
+        """Whether this step's line is logged at once instead of at the end of the next step:
+        the last step, a step that validates (its lines follow the step's), and non-colocated
+        encoders (their ranks log the same line in the same step)."""
+        job = self.job_config
+        return (self.step >= job.training.steps or self.rank_sets is not None
+                or (job.validation.enable and self.validator.should_validate(self.step)))
+
+    def flush_log(self) -> None:
+        """Log the pending log step's line (:class:`PendingLog`), if any."""
+        pending, self._pending_log = self._pending_log, None
+        if pending is None:
+            return
+        values = pending.read.result()
+        losses = {n: float(v) for n, v in zip(pending.part_names, values["parts"])}
+        total = sum(
+            (self.loss_fn.weight(n) if n in pending.counted else self.loss_fn.aux_weight) * v
+            for n, v in losses.items()
+        )
+        max_loss, grad_norm = float(values["max_loss"][0]), float(values["grad_norm"][0])
+        extra = dict(pending.extra)
+        if "moe_loads" in values:
+            totals = values["moe_totals"]
+            extra.update(moe_metrics(values["moe_loads"], totals[0], totals[1], pending.moe_steps))
+        self.last_losses = losses
         if self.rank_sets is not None:
             # the encoder ranks log this line too (encoder_ranks.log_shared_line)
-            share_from_llm(self.log_line(total, max_loss, losses, float(grad_norm), extra),
-                           self.rank_sets)
-        self.metrics_processor.log_losses(self.step, total, max_loss, losses, float(grad_norm),
-                                          extra_metrics=extra)
+            share_from_llm(self.log_line(pending.step, total, max_loss, losses, grad_norm, extra,
+                                         pending.window), self.rank_sets)
+        self.metrics_processor.log_losses(pending.step, total, max_loss, losses, grad_norm,
+                                          extra_metrics=extra, window=pending.window)
+        self.on_line_logged(pending.step, losses, self.metrics_processor.last_metrics)
 
-    def log_line(self, total: float, max_loss: float, losses: dict[str, float],
-                 grad_norm: float, extra: dict[str, Any]) -> dict[str, Any]:
-        """This step's log line as the encoder ranks take it (before the counters reset)."""
-        metrics = self.metrics_processor
-        return {"step": self.step, "total": total, "max_loss": max_loss, "losses": losses,
-                "grad_norm": grad_norm, "extra": extra, "ntokens": metrics.ntokens_since_last_log,
-                "flops": metrics.flops_since_last_log}
+    def on_line_logged(self, step: int, losses: dict[str, float],
+                       metrics: dict[str, Any]) -> None:
+        """Called after each training log line with its step, named losses and every metric
+        logged (a step's line comes at the end of the next step, or at once: ``flush_log``).
+        Does nothing; a subclass records lines here (tests, custom loggers)."""
+
+    def log_line(self, step: int, total: float, max_loss: float, losses: dict[str, float],
+                 grad_norm: float, extra: dict[str, Any], window: LogWindow) -> dict[str, Any]:
+        """A step's log line as the encoder ranks take it."""
+        return {"step": step, "total": total, "max_loss": max_loss, "losses": losses,
+                "grad_norm": grad_norm, "extra": extra, "ntokens": window.ntokens,
+                "flops": window.flops}
+
+    def close(self) -> None:
+        """Log a line still pending (a run that stopped between log steps), then close."""
+        try:
+            self.flush_log()
+        except RuntimeError as e:  # the run failed: its error is what the user needs to see
+            logger.warning(f"The last pending log line could not be read: {e}")
+        super().close()
 
     def _compile_stats(self) -> dict[str, int]:
         """Graphs compiled so far (stops growing after the first steps)."""
         return {COMPILED_GRAPHS: compiled_graphs()} if self.job_config.compile.enable else {}
-
-    def _moe_stats(self) -> dict[str, float]:
-        """Expert load per layer (summed over the EP group) and dropped copies (summed over all
-        ranks) since the last log step."""
-        counts, steps = self.moe_counter.take()
-        if counts is None:
-            return {}
-        dims: OmniParallelDims = self.parallel_dims
-        loads, totals = reduce_moe_counts(counts, dims.get_optional_mesh("ep"),
-                                          dims.get_optional_mesh("loss"))
-        return moe_metrics(loads, totals[0], totals[1], steps)
 
     def _skipped_samples(self) -> dict[str, int]:
         """Samples the data pipeline skipped so far, per reason, summed over data ranks."""

@@ -15,12 +15,11 @@ from torchtitan_omni.train import OmniTrainer, run_cli
 
 
 class LossRecordingTrainer(OmniTrainer):
-    def train_step(self, data_iterator) -> None:
-        super().train_step(data_iterator)
+    def on_line_logged(self, step: int, losses: dict[str, float], metrics: dict) -> None:
         path = os.environ.get("OMNI_LOSS_FILE")
-        if path and torch.distributed.get_rank() == 0 and self.last_losses:
+        if path and torch.distributed.get_rank() == 0:
             with open(path, "a") as f:
-                f.write(json.dumps({"step": self.step, **self.last_losses}) + "\n")
+                f.write(json.dumps({"step": step, **losses}) + "\n")
 
 
 def run(trainer_cls: type[OmniTrainer]) -> None:

@@ -14,7 +14,6 @@ import torch
 
 import torchtitan_omni  # noqa: F401  (device selection first)
 from tests.checkpoint.train_entry import run
-from torchtitan_omni.distributed.boundary import balance_metrics
 from torchtitan_omni.train import OmniTrainer
 
 
@@ -48,17 +47,15 @@ class StepRecordingTrainer(OmniTrainer):
         if job_config.validation.enable:
             self.validator = RecordingValidator(self.validator)
 
-    def train_step(self, data_iterator) -> None:
-        super().train_step(data_iterator)
-        if self.last_losses:
-            grad_norm = self.metrics_processor.last_metrics["grad_norm"]
-            # the balanced encoders' imbalance before and after (their last pass of the step)
-            balance = balance_metrics(getattr(self.model_parts[0], "encoders", {}))
-            record = {"step": self.step, "grad_norm": grad_norm, **self.last_losses,
-                      **({"balance": balance} if balance else {})}
-            if self.encoder_server is not None:
-                record["events"] = list(self.encoder_server.events)
-            _append("OMNI_STEP_FILE", record)
+    def on_line_logged(self, step: int, losses: dict[str, float], metrics: dict) -> None:
+        # the balanced encoders' imbalance before and after (their last pass of the step)
+        balance = {k: v for k, v in metrics.items()
+                   if k.startswith("encoders/") and "/cost_max_over_mean_" in k}
+        record = {"step": step, "grad_norm": metrics["grad_norm"], **losses,
+                  **({"balance": balance} if balance else {})}
+        if self.encoder_server is not None:  # its lines come at once: the events are this step's
+            record["events"] = list(self.encoder_server.events)
+        _append("OMNI_STEP_FILE", record)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ document lengths) when the trainer reports them.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan.components.metrics import MetricsProcessor
@@ -24,6 +25,18 @@ from torchtitan_omni.components.moe_metrics import console_summary
 COMPILED_GRAPHS = "compile/graphs"
 
 
+@dataclass
+class LogWindow:
+    """What a log line's throughput covers: the tokens, model FLOPs and data-loading times
+    since the previous line, and the host times it starts and ends at."""
+
+    ntokens: int
+    flops: float
+    start: float
+    end: float
+    data_loading_times: list[float] = field(default_factory=list)
+
+
 class OmniMetricsProcessor(MetricsProcessor):
     """TorchTitan's metrics processor with named losses and per-batch FLOPs."""
 
@@ -31,6 +44,17 @@ class OmniMetricsProcessor(MetricsProcessor):
         super().__init__(job_config, parallel_dims, tag)
         self.flops_since_last_log = 0.0
         self.last_metrics: dict[str, Any] = {}
+
+    def close_window(self) -> LogWindow:
+        """The counters since the last line, ending now; the next window starts here."""
+        now = time.perf_counter()
+        window = LogWindow(self.ntokens_since_last_log, self.flops_since_last_log,
+                           self.time_last_log, now, list(self.data_loading_times))
+        self.ntokens_since_last_log = 0
+        self.flops_since_last_log = 0.0
+        self.data_loading_times.clear()
+        self.time_last_log = now
+        return window
 
     def log_losses(
         self,
@@ -40,12 +64,17 @@ class OmniMetricsProcessor(MetricsProcessor):
         losses: dict[str, float],
         grad_norm: float,
         extra_metrics: dict[str, Any] | None = None,
+        window: LogWindow | None = None,
     ) -> None:
-        """Log one step: the total and every named loss, throughput, MFU and memory."""
-        time_delta = time.perf_counter() - self.time_last_log
-        tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
-        if self.flops_since_last_log > 0:
-            flops_per_s = self.flops_since_last_log / time_delta
+        """Log one step: the total and every named loss, throughput, MFU and memory.
+        ``window``: what the throughput covers (:meth:`close_window`), when it was closed
+        before this call (a deferred line); else the window up to now."""
+        if window is None:
+            window = self.close_window()
+        time_delta = window.end - window.start
+        tps = window.ntokens / (time_delta * self.parallel_dims.non_data_parallel_size)
+        if window.flops > 0:
+            flops_per_s = window.flops / time_delta
         else:
             flops_per_s = self.num_flops_per_token * tps
         mfu = 100 * flops_per_s / self.gpu_peak_flops
@@ -61,9 +90,9 @@ class OmniMetricsProcessor(MetricsProcessor):
             "memory/max_reserved(GiB)": mem.max_reserved_gib,
             "memory/max_reserved(%)": mem.max_reserved_pct,
         }
-        if self.data_loading_times:
-            metrics["time_metrics/data_loading(s)"] = sum(self.data_loading_times) / len(
-                self.data_loading_times
+        if window.data_loading_times:
+            metrics["time_metrics/data_loading(s)"] = sum(window.data_loading_times) / len(
+                window.data_loading_times
             )
         for name, value in losses.items():
             metrics[f"loss_metrics/{name}"] = value
@@ -87,10 +116,6 @@ class OmniMetricsProcessor(MetricsProcessor):
             )
             + (f"  {moe}" if (moe := console_summary(metrics)) else "")
         )
-        self.ntokens_since_last_log = 0
-        self.flops_since_last_log = 0.0
-        self.data_loading_times.clear()
-        self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
 
 

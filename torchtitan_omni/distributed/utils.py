@@ -64,16 +64,15 @@ def all_reduce_world(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 def reduce_moe_counts(counts: torch.Tensor, ep_mesh: DeviceMesh | None,
                       all_mesh: DeviceMesh | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing counts ``[2, layers, experts]`` (routed, dropped) of this rank -> on the host,
+    """Routing counts ``[2, layers, experts]`` (routed, dropped) of this rank ->
     ``[layers, experts]`` routed copies summed over the expert-parallel group (the tokens each
     expert's rank computes) and ``[2, layers]`` routed and dropped copies summed over
-    ``all_mesh`` (every rank). Two reductions, one host read."""
+    ``all_mesh`` (every rank). Two reductions, on the counts' device (the caller reads them on
+    the host: ``components.deferred_read``)."""
     routed, dropped = counts[0], counts[1]
     loads = all_reduce(routed, ep_mesh)
     totals = all_reduce(torch.stack([routed.sum(-1), dropped.sum(-1)]), all_mesh)
-    host = torch.cat([loads.flatten(), totals.flatten()]).cpu()
-    layers, experts = routed.shape
-    return host[: layers * experts].view(layers, experts), host[layers * experts:].view(2, layers)
+    return loads, totals
 
 
 @torch.no_grad()

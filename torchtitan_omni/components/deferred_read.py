@@ -1,0 +1,50 @@
+"""Device values read on the host later, without draining the GPU's queue.
+
+A log step needs a few device values on the host: the loss parts, the largest per-rank loss,
+the gradient norm, the MoE routing counts. Reading them at once (``float(t)``, ``.cpu()``)
+makes the host wait until the GPU has run everything queued, the whole step; the next step's
+host work (staging its batch, the encoders' many small launches) then runs while the GPU
+idles. :class:`DeferredRead` instead copies them into pinned host memory behind the kernels
+queued so far; the trainer reads them at the end of the next step, by when the copy is
+normally done, so that host work overlaps the step's tail. On CPU the copy is the read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class DeferredRead:
+    """Named device tensors copied to the host behind the work queued so far; :meth:`result`
+    waits for that copy only (not for work queued after it)."""
+
+    def __init__(self, values: dict[str, torch.Tensor]) -> None:
+        self._shapes = {name: tuple(value.shape) for name, value in values.items()}
+        # float64 holds the counts (int64) exactly up to 2**53 and the losses unrounded
+        flat = torch.cat([value.detach().reshape(-1).to(torch.float64)
+                          for value in values.values()])
+        self._event: torch.cuda.Event | None = None
+        if flat.is_cuda:
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flat
+
+    def done(self) -> bool:
+        """Whether the copy has finished (never waits)."""
+        return self._event is None or self._event.query()
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The values on the host, by name and in their shapes (float64); waits for the copy."""
+        if self._event is not None:
+            self._event.synchronize()
+        out, start = {}, 0
+        for name, shape in self._shapes.items():
+            size = math.prod(shape)
+            out[name] = self._host[start:start + size].view(shape)
+            start += size
+        return out
