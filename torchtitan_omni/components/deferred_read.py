@@ -22,8 +22,10 @@ class DeferredRead:
 
     def __init__(self, values: dict[str, torch.Tensor]) -> None:
         self._shapes = {name: tuple(value.shape) for name, value in values.items()}
+        # one device for the copy (a value may sit elsewhere, e.g. a norm without gradients);
         # float64 holds the counts (int64) exactly up to 2**53 and the losses unrounded
-        flat = torch.cat([value.detach().reshape(-1).to(torch.float64)
+        device = next((v.device for v in values.values() if v.is_cuda), torch.device("cpu"))
+        flat = torch.cat([value.detach().reshape(-1).to(device, torch.float64, non_blocking=True)
                           for value in values.values()])
         self._event: torch.cuda.Event | None = None
         if flat.is_cuda:
