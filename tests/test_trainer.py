@@ -37,8 +37,8 @@ def test_deterministic_runs_are_identical():
 @pytest.mark.slow
 def test_deferred_log_lines_carry_their_own_steps_values():
     """A log step's line comes at the end of the next step (its values copied behind its
-    kernels), the last step's at once. Step 3's line, deferred in a 4-step run that logs every
-    other step, equals step 3 logged at once as the last of a 3-step run; the 4-step run logs
+    kernels), the last step's at once. Step 3's line, deferred in a 4-step run, equals step 3
+    logged at once as the last of a 3-step run; a 4-step run that logs every other step logs
     steps 1, 2 and 4 (its last) and nothing else."""
     args = ("--debug.deterministic", "--debug.seed", "42", "--lr_scheduler.decay_type", "linear")
     every_other = run_train(CONFIG, 2, *args, "--training.steps", "4", "--metrics.log_freq", "2",

@@ -167,7 +167,6 @@ def log_shared_line(trainer: Any, line: dict[str, Any], lr: float) -> None:
     metrics.ntokens_since_last_log = line["ntokens"]
     metrics.flops_since_last_log = line["flops"]
     trainer.ntokens_seen = line["extra"].get("n_tokens_seen", trainer.ntokens_seen)
-    trainer.last_losses = line["losses"]
     metrics.log_losses(line["step"], line["total"], line["max_loss"], line["losses"],
                        line["grad_norm"], extra_metrics={**line["extra"], "lr": lr})
     trainer.on_line_logged(line["step"], line["losses"], metrics.last_metrics)

@@ -132,8 +132,6 @@ class OmniTrainer(Trainer):
                 self.validator.maybe_enable_amp = self.maybe_enable_amp
         dims: OmniParallelDims = self.parallel_dims
         self.sp_rank = dims.get_mesh("sp").get_local_rank() if dims.sp_enabled else 0
-        #: the named losses of the last line logged (lines come one step late: ``flush_log``)
-        self.last_losses: dict[str, float] = {}
         #: non-colocated encoders: the rank sets, and this rank's side of the exchange
         self.rank_sets: RankSets | None = None
         self.encoder_client: EncoderClient | None = None
@@ -359,7 +357,6 @@ class OmniTrainer(Trainer):
         if "moe_loads" in values:
             totals = values["moe_totals"]
             extra.update(moe_metrics(values["moe_loads"], totals[0], totals[1], pending.moe_steps))
-        self.last_losses = losses
         if self.rank_sets is not None:
             # the encoder ranks log this line too (encoder_ranks.log_shared_line)
             share_from_llm(self.log_line(pending.step, total, max_loss, losses, grad_norm, extra,
