@@ -1,5 +1,6 @@
-"""``components.deferred_read``: a log step's device values read on the host later (the GPU
-side, that the host does not wait, is in ``test_gpu_fast_paths.py``)."""
+"""``components.deferred_read``: a log step's device values read on the host later, and the
+log windows timed by the events behind them (the GPU side, that the host does not wait and that
+a window covers the GPU's time, is in ``test_gpu_fast_paths.py``)."""
 
 import torch
 
@@ -17,3 +18,42 @@ def test_deferred_read_gives_back_names_shapes_and_exact_counts():
     assert got["loss"].tolist() == [0.5] and got["norm"].shape == ()
     assert got["loads"].shape == (2, 2) and int(got["loads"][0, 0]) == big
     assert read.done()
+
+
+class _Mark:
+    """A stand-in for a timed CUDA event: recorded at ``t`` seconds of the GPU's clock."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_Mark") -> float:
+        return (end.t - self.t) * 1e3  # milliseconds, as torch.cuda.Event's
+
+
+def test_a_marked_window_is_timed_between_the_previous_mark_and_its_own():
+    """A deferred line's throughput covers the interval between the previous log step's mark
+    and its own (the GPU's clock), not the host's time between queuing them; a window without
+    a mark before it (the first) or without its own (CPU) is timed on the host."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
+
+    from torchtitan_omni.components.metrics import OmniMetricsProcessor
+
+    job = ConfigManager().parse_args(["--metrics.no-enable_tensorboard"])
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    metrics = OmniMetricsProcessor(job, dims)
+
+    def line(tokens: int, mark: _Mark | None) -> float:
+        metrics.ntokens_since_last_log = tokens
+        window = metrics.close_window(mark)
+        metrics.log_losses(1, 1.0, 1.0, {"text": 1.0}, 1.0, window=window)
+        return metrics.last_metrics["throughput(tps)"]
+
+    first = line(100, _Mark(10.0))  # no mark before it: the host's (tiny) interval
+    assert first > 100 / 0.5
+    assert line(1000, _Mark(12.5)) == 1000 / 2.5
+    assert line(600, _Mark(14.0)) == 600 / 1.5
+    assert line(50, None) > 50 / 0.5  # unmarked (CPU): the host's interval again

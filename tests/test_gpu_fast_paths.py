@@ -8,6 +8,7 @@ converter, torch's float8 matmuls) near bf16. Skipped without a GPU."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -319,3 +320,21 @@ def test_deferred_read_does_not_wait_for_the_gpu():
     got = read.result()
     assert read.done() and got["parts"].tolist() == [1.5, -2.25]
     assert got["counts"].shape == (2, 3) and got["counts"].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_a_deferred_lines_window_covers_the_gpus_time():
+    """The window between two log steps' reads is timed on the GPU's clock: with a long sleep
+    kernel queued between them, the host closes the second window at once, yet the window
+    covers the sleep."""
+    from torchtitan_omni.components.deferred_read import DeferredRead
+    from torchtitan_omni.components.metrics import LogWindow
+
+    value = torch.ones(1, device="cuda")
+    first = DeferredRead({"v": value})
+    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time, on any recent GPU
+    second = DeferredRead({"v": value})
+    host = time.perf_counter()
+    window = LogWindow(1, 0.0, host, host, start_mark=first.mark, end_mark=second.mark)
+    assert not second.done()  # the host got here long before the GPU
+    assert window.seconds() > 0.1
+    assert second.done() and first.mark.elapsed_time(second.mark) > 100

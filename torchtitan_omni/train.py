@@ -328,7 +328,8 @@ class OmniTrainer(Trainer):
         now = self._log_now()
         if now:
             read.result()  # the window then ends when the step has run, not when it was queued
-        self._pending_log = PendingLog(self.step, read, self.metrics_processor.close_window(),
+        self._pending_log = PendingLog(self.step, read,
+                                       self.metrics_processor.close_window(read.mark),
                                        part_names, frozenset(global_counts), extra, moe_steps)
         if now:
             self.flush_log()

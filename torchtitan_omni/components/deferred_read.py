@@ -7,6 +7,10 @@ host work (staging its batch, the encoders' many small launches) then runs while
 idles. :class:`DeferredRead` instead copies them into pinned host memory behind the kernels
 queued so far; the trainer reads them at the end of the next step, by when the copy is
 normally done, so that host work overlaps the step's tail. On CPU the copy is the read.
+
+The copy's event is timed: it marks on the GPU's clock when the step's work was done, so that
+a deferred line's throughput covers the GPU's time between two log steps, not the host's
+(which runs ahead by a varying amount once it no longer waits).
 """
 
 from __future__ import annotations
@@ -31,10 +35,15 @@ class DeferredRead:
         if flat.is_cuda:
             self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event(enable_timing=True)
             self._event.record()
         else:
             self._host = flat
+
+    @property
+    def mark(self) -> torch.cuda.Event | None:
+        """The timed event recorded behind the copy (when the GPU reached it); None on CPU."""
+        return self._event
 
     def done(self) -> bool:
         """Whether the copy has finished (never waits)."""

@@ -28,13 +28,25 @@ COMPILED_GRAPHS = "compile/graphs"
 @dataclass
 class LogWindow:
     """What a log line's throughput covers: the tokens, model FLOPs and data-loading times
-    since the previous line, and the host times it starts and ends at."""
+    since the previous line, and the host times it starts and ends at; on a GPU also the timed
+    events recorded behind the previous log step's and this one's work (``start_mark``,
+    ``end_mark``), whose interval is the window's length when both exist."""
 
     ntokens: int
     flops: float
     start: float
     end: float
     data_loading_times: list[float] = field(default_factory=list)
+    start_mark: Any = None
+    end_mark: Any = None
+
+    def seconds(self) -> float:
+        """The window's length: on the GPU's clock between the two marks when it has both (the
+        host queues a step ahead of the GPU by a varying amount), else on the host's."""
+        if self.start_mark is None or self.end_mark is None:
+            return self.end - self.start
+        self.end_mark.synchronize()
+        return self.start_mark.elapsed_time(self.end_mark) / 1e3
 
 
 class OmniMetricsProcessor(MetricsProcessor):
@@ -44,16 +56,22 @@ class OmniMetricsProcessor(MetricsProcessor):
         super().__init__(job_config, parallel_dims, tag)
         self.flops_since_last_log = 0.0
         self.last_metrics: dict[str, Any] = {}
+        self._last_mark: Any = None
 
-    def close_window(self) -> LogWindow:
-        """The counters since the last line, ending now; the next window starts here."""
+    def close_window(self, mark: Any = None) -> LogWindow:
+        """The counters since the last line, ending now; the next window starts here.
+        ``mark``: a timed CUDA event recorded behind this step's work (``DeferredRead.mark``),
+        so that the window is measured on the GPU's clock from the previous window's mark."""
         now = time.perf_counter()
         window = LogWindow(self.ntokens_since_last_log, self.flops_since_last_log,
-                           self.time_last_log, now, list(self.data_loading_times))
+                           self.time_last_log, now, list(self.data_loading_times),
+                           start_mark=self._last_mark if mark is not None else None,
+                           end_mark=mark)
         self.ntokens_since_last_log = 0
         self.flops_since_last_log = 0.0
         self.data_loading_times.clear()
         self.time_last_log = now
+        self._last_mark = mark
         return window
 
     def log_losses(
@@ -71,7 +89,7 @@ class OmniMetricsProcessor(MetricsProcessor):
         before this call (a deferred line); else the window up to now."""
         if window is None:
             window = self.close_window()
-        time_delta = window.end - window.start
+        time_delta = window.seconds()
         tps = window.ntokens / (time_delta * self.parallel_dims.non_data_parallel_size)
         if window.flops > 0:
             flops_per_s = window.flops / time_delta
