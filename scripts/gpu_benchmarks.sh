@@ -11,7 +11,8 @@
 # ":no-compile" or ":compile-only" to split a plan over calls, or "=point,point" to run only
 # those points (in the plan's order), e.g. moe_4gpu=moe_30B-A3B_12L_8k_ep4_text_exact. Tables go
 # to $OUT (or bench_out/), the training logs and the tables' JSON rows into one archive there
-# (a device call brings back at most 8 files), the summaries of profiled steps
+# (logs.tar.gz, or logs_2.tar.gz for a second run in the same call; a device call brings back
+# at most 8 files), the summaries of profiled steps
 # (scripts/summarize_trace.py, every rank's: where one rank idles, another may be the slow one)
 # into traces.txt; the tables are printed last.
 #
@@ -83,7 +84,11 @@ for arg in "$@"; do
 done
 # the JSON rows travel in the archive: a device call brings back at most 8 files
 for rows in "$out"/*.json; do [ -f "$rows" ] && mv "$rows" "$logs/"; done
-tar -czf "$out/logs.tar.gz" -C "$logs" . 2>/dev/null
+# a second run of this script in the same call keeps the first's archive (logs_2.tar.gz, ...)
+archive="$out/logs.tar.gz"
+n=2
+while [ -e "$archive" ]; do archive="$out/logs_$n.tar.gz"; n=$((n + 1)); done
+tar -czf "$archive" -C "$logs" . 2>/dev/null
 for trace in outputs/bench_*/profile_traces/*/rank*_trace.json; do  # every rank: their skew
   [ -f "$trace" ] || continue
   python3 scripts/summarize_trace.py --top 15 "$trace" >> "$out/traces.txt"
