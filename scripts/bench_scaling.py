@@ -24,8 +24,8 @@ text-only and long-text points of the same GPUs, sequence length, compile settin
 precision (bf16 or float8), the MFU by the trainer's model-FLOP count (causal attention by
 real document lengths, encoders included), the MFU by TorchTitan's formula (``6 x
 non-embedding params + 12 x layers x heads x head_dim x seq_len`` per token, what stock runs
-print), the median step time (between consecutive step
-lines), the peak reserved memory and, for ``torch.compile`` points (run with
+print), the median step time (the omni lines' own, else between consecutive step lines), the
+peak reserved memory and, for ``torch.compile`` points (run with
 ``TORCH_LOGS=recompiles``), the recompilations rank 0 logged. Results go to a markdown table
 (with the exact command of each point) and a JSON file.
 
@@ -712,6 +712,8 @@ RECOMPILE = "Recompiling function"  # dynamo's line under TORCH_LOGS=recompiles
 # the trainer's expert-load summary on MoE step lines
 MOE_FIELD = re.compile(r"moe: max/mean ([\d.]+) \(layer \d+\) dropped [\d,]+ \(([\d.]+)%\)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# the omni trainer's seconds per step since its previous line (stock lines have none)
+STEP_SECONDS = re.compile(r"step time: ([\d.]+)s")
 
 
 def _seconds(stamp: str) -> float:
@@ -722,7 +724,7 @@ def _seconds(stamp: str) -> float:
 
 def parse_steps(log: str) -> list[dict]:
     """The per-step metrics of a TorchTitan (stock or omni) log; ``time`` (s) when the line
-    carries a timestamp."""
+    carries a timestamp, ``step_s`` when it says its step time (omni lines)."""
     out = []
     for line in ANSI.sub("", log).splitlines():
         m = STEP_LINE.search(line)
@@ -732,6 +734,9 @@ def parse_steps(log: str) -> list[dict]:
             stamp = TIMESTAMP.search(line)
             if stamp:
                 step["time"] = _seconds(stamp[1])
+            seconds = STEP_SECONDS.search(line)
+            if seconds:
+                step["step_s"] = float(seconds[1])
             moe = MOE_FIELD.search(line)
             if moe:
                 step.update(max_over_mean=float(moe[1]), dropped_pct=float(moe[2]))
@@ -770,9 +775,14 @@ def profiled_steps(args: tuple[str, ...], last_step: int) -> set[int]:
 
 
 def step_time(steps: list[dict], warmup: int, skip: set[int] = frozenset()) -> float | None:
-    """Median seconds per step between consecutive step lines after ``warmup`` (with a line
-    every ``log_freq`` steps, a gap is divided by the steps it spans); gaps spanning a step of
-    ``skip`` are left out."""
+    """Median seconds per step after ``warmup``, leaving out the steps of ``skip``: the lines'
+    own step times where every line has one (the omni trainer's, on the GPU's clock: it logs a
+    step's line at the end of the next one, so the lines' timestamps are not its step's end);
+    else the gaps between consecutive step lines (with a line every ``log_freq`` steps, a gap
+    is divided by the steps it spans; gaps spanning a step of ``skip`` are left out)."""
+    if steps and all("step_s" in s for s in steps):
+        own = [s["step_s"] for s in steps if s["step"] > warmup and s["step"] not in skip]
+        return statistics.median(own) if own else None
     times = sorted((s["step"], s["time"]) for s in steps if "time" in s)
     gaps = [(t1 - t0) / (k1 - k0) for (k0, t0), (k1, t1) in zip(times, times[1:])
             if k0 >= warmup and not skip.intersection(range(k0 + 1, k1 + 1))]

@@ -46,6 +46,38 @@ def test_step_lines_of_omni_and_stock_logs():
     assert "-m torchtitan.train" in row["command"] and "--training.seq_len 8192" in row["command"]
 
 
+def test_step_time_reads_the_omni_lines_own_step_times(caplog):
+    """The omni trainer logs a step's line at the end of the next step, so its timestamps
+    alternate with the host's lead; the bench takes the step time each line states (here
+    steady 1.0 s steps under timestamps 0.6 and 1.4 s apart), and reads it from a line the
+    trainer's metrics processor really printed. Stock lines have none: their gaps count."""
+    bench = _script("bench_scaling")
+    stamps = ["10:00:00,000", "10:00:30,000", "10:00:30,600", "10:00:32,000", "10:00:32,600"]
+    lines = [_omni_line(i + 1, t, 8000) + "  step time: 1.000s" for i, t in enumerate(stamps)]
+    steps = bench.parse_steps("\n".join(lines))
+    assert [s["step_s"] for s in steps] == [1.0] * 5
+    assert bench.step_time(steps, warmup=2) == 1.0
+    assert bench.step_time(steps, warmup=2, skip={3, 4, 5}) is None
+    gaps = [{k: v for k, v in s.items() if k != "step_s"} for s in steps]
+    assert bench.step_time(gaps, warmup=2) == pytest.approx(0.6)  # 0.6, 1.4, 0.6: the median
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
+
+    from torchtitan_omni.components.metrics import OmniMetricsProcessor
+
+    job = ConfigManager().parse_args(["--metrics.no-enable_tensorboard", "--metrics.log_freq", "4"])
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    metrics = OmniMetricsProcessor(job, dims)
+    window = metrics.close_window()
+    window.start, window.end = 100.0, 106.0  # a first line, after steps 1-3 of a job
+    window.ntokens, window.flops = 3000, 6e12
+    with caplog.at_level("INFO"):
+        metrics.log_losses(3, 2.0, 2.0, {"text": 2.0}, 1.0, window=window)
+    (logged,) = bench.parse_steps("\n".join(r.getMessage() for r in caplog.records))
+    assert logged["step"] == 3 and logged["step_s"] == 2.0 and logged["tps"] == 500.0
+
+
 def test_steps_slowed_by_profiling_are_left_out_of_the_medians():
     """TorchTitan's profiler records the last 4 steps of each ``profile_freq`` cycle (3 warm-up,
     1 active) and exports the trace in the step after: those steps are slower and leave the

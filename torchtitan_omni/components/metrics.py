@@ -1,10 +1,11 @@
-"""Training metrics: every named loss, real-token throughput and per-batch MFU.
+"""Training metrics: every named loss, real-token throughput, per-batch MFU and step time.
 
 ``OmniMetricsProcessor`` extends TorchTitan's processor: the console line and TensorBoard get
 each loss (text, gen_image, moe_aux, ...) next to the total (and MoE load and drops,
 ``torchtitan_omni.components.moe_metrics``); throughput counts real
 (non-padding) tokens; MFU uses the FLOPs of the batches actually trained (attention by
-document lengths) when the trainer reports them.
+document lengths) when the trainer reports them; the step time is the line's window (since
+the previous line, on the GPU's clock where :class:`LogWindow` has marks) over the steps in it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class OmniMetricsProcessor(MetricsProcessor):
         self.flops_since_last_log = 0.0
         self.last_metrics: dict[str, Any] = {}
         self._last_mark: Any = None
+        self._last_logged_step = 0
 
     def close_window(self, mark: Any = None) -> LogWindow:
         """The counters since the last line, ending now; the next window starts here.
@@ -90,6 +92,9 @@ class OmniMetricsProcessor(MetricsProcessor):
         if window is None:
             window = self.close_window()
         time_delta = window.seconds()
+        # the steps the window covers (log_freq, but the first line's window holds one step)
+        step_seconds = time_delta / max(1, step - self._last_logged_step)
+        self._last_logged_step = step
         tps = window.ntokens / (time_delta * self.parallel_dims.non_data_parallel_size)
         if window.flops > 0:
             flops_per_s = window.flops / time_delta
@@ -104,7 +109,7 @@ class OmniMetricsProcessor(MetricsProcessor):
             "throughput(tps)": tps,
             "tflops": flops_per_s / 1e12,
             "mfu(%)": mfu,
-            "time_metrics/end_to_end(s)": time_delta / max(1, self.job_config.metrics.log_freq),
+            "time_metrics/end_to_end(s)": step_seconds,
             "memory/max_reserved(GiB)": mem.max_reserved_gib,
             "memory/max_reserved(%)": mem.max_reserved_pct,
         }
@@ -126,7 +131,7 @@ class OmniMetricsProcessor(MetricsProcessor):
             f"{c.orange}grad_norm: {grad_norm:7.4f}  "
             f"{c.turquoise}memory: {mem.max_reserved_gib:5.2f}GiB({mem.max_reserved_pct:.2f}%)  "
             f"{c.blue}tps: {round(tps):,}  {c.cyan}tflops: {flops_per_s / 1e12:,.2f}  "
-            f"{c.magenta}mfu: {mfu:.2f}%{c.reset}"
+            f"{c.magenta}mfu: {mfu:.2f}%{c.reset}  step time: {step_seconds:.3f}s"
             + (
                 f"  compiled graphs: {metrics[COMPILED_GRAPHS]}"
                 if COMPILED_GRAPHS in metrics
