@@ -71,7 +71,7 @@ def test_step_time_reads_the_omni_lines_own_step_times(caplog):
     metrics = OmniMetricsProcessor(job, dims)
     window = metrics.close_window()
     window.start, window.end = 100.0, 106.0  # a first line, after steps 1-3 of a job
-    window.ntokens, window.flops = 3000, 6e12
+    window.ntokens, window.flops, window.steps = 3000, 6e12, 3
     with caplog.at_level("INFO"):
         metrics.log_losses(3, 2.0, 2.0, {"text": 2.0}, 1.0, window=window)
     (logged,) = bench.parse_steps("\n".join(r.getMessage() for r in caplog.records))

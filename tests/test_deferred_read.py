@@ -36,7 +36,8 @@ class _Mark:
 def test_a_marked_window_is_timed_between_the_previous_mark_and_its_own():
     """A deferred line's throughput covers the interval between the previous log step's mark
     and its own (the GPU's clock), not the host's time between queuing them; a window without
-    a mark before it (the first) or without its own (CPU) is timed on the host."""
+    a mark before it (the first) or without its own (CPU) is timed on the host. Its step time
+    is that interval over the training steps counted since the previous line."""
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
 
@@ -46,14 +47,18 @@ def test_a_marked_window_is_timed_between_the_previous_mark_and_its_own():
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     metrics = OmniMetricsProcessor(job, dims)
 
-    def line(tokens: int, mark: _Mark | None) -> float:
+    def line(tokens: int, mark: _Mark | None, steps: int = 1) -> float:
         metrics.ntokens_since_last_log = tokens
+        metrics.steps_since_last_log = steps  # the trainer counts one per train_step
         window = metrics.close_window(mark)
+        assert metrics.steps_since_last_log == 0 and window.steps == steps
         metrics.log_losses(1, 1.0, 1.0, {"text": 1.0}, 1.0, window=window)
         return metrics.last_metrics["throughput(tps)"]
 
     first = line(100, _Mark(10.0))  # no mark before it: the host's (tiny) interval
     assert first > 100 / 0.5
     assert line(1000, _Mark(12.5)) == 1000 / 2.5
-    assert line(600, _Mark(14.0)) == 600 / 1.5
+    assert metrics.last_metrics["time_metrics/end_to_end(s)"] == 2.5
+    assert line(600, _Mark(14.0), steps=3) == 600 / 1.5  # a line every 3 steps
+    assert metrics.last_metrics["time_metrics/end_to_end(s)"] == 0.5  # seconds per step
     assert line(50, None) > 50 / 0.5  # unmarked (CPU): the host's interval again

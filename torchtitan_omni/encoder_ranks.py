@@ -166,6 +166,7 @@ def log_shared_line(trainer: Any, line: dict[str, Any], lr: float) -> None:
     metrics = trainer.metrics_processor
     metrics.ntokens_since_last_log = line["ntokens"]
     metrics.flops_since_last_log = line["flops"]
+    metrics.steps_since_last_log = line["steps"]
     trainer.ntokens_seen = line["extra"].get("n_tokens_seen", trainer.ntokens_seen)
     metrics.log_losses(line["step"], line["total"], line["max_loss"], line["losses"],
                        line["grad_norm"], extra_metrics={**line["extra"], "lr": lr})

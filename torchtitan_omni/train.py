@@ -234,6 +234,7 @@ class OmniTrainer(Trainer):
         if self.encoder_server is not None:
             serve_encoders(self, self.encoder_server)
             return
+        self.metrics_processor.steps_since_last_log += 1
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         dims: OmniParallelDims = self.parallel_dims
@@ -377,7 +378,7 @@ class OmniTrainer(Trainer):
         """A step's log line as the encoder ranks take it."""
         return {"step": step, "total": total, "max_loss": max_loss, "losses": losses,
                 "grad_norm": grad_norm, "extra": extra, "ntokens": window.ntokens,
-                "flops": window.flops}
+                "flops": window.flops, "steps": window.steps}
 
     def close(self) -> None:
         """Log a line still pending (a run that stopped between log steps), then close."""

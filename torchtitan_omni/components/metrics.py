@@ -28,16 +28,17 @@ COMPILED_GRAPHS = "compile/graphs"
 
 @dataclass
 class LogWindow:
-    """What a log line's throughput covers: the tokens, model FLOPs and data-loading times
-    since the previous line, and the host times it starts and ends at; on a GPU also the timed
-    events recorded behind the previous log step's and this one's work (``start_mark``,
-    ``end_mark``), whose interval is the window's length when both exist."""
+    """What a log line's throughput covers: the tokens, model FLOPs, data-loading times and
+    training steps since the previous line, and the host times it starts and ends at; on a
+    GPU also the timed events recorded behind the previous log step's and this one's work
+    (``start_mark``, ``end_mark``), whose interval is the window's length when both exist."""
 
     ntokens: int
     flops: float
     start: float
     end: float
     data_loading_times: list[float] = field(default_factory=list)
+    steps: int = 1
     start_mark: Any = None
     end_mark: Any = None
 
@@ -58,7 +59,8 @@ class OmniMetricsProcessor(MetricsProcessor):
         self.flops_since_last_log = 0.0
         self.last_metrics: dict[str, Any] = {}
         self._last_mark: Any = None
-        self._last_logged_step = 0
+        #: training steps since the last line (the trainer counts them; a window's divisor)
+        self.steps_since_last_log = 0
 
     def close_window(self, mark: Any = None) -> LogWindow:
         """The counters since the last line, ending now; the next window starts here.
@@ -67,10 +69,12 @@ class OmniMetricsProcessor(MetricsProcessor):
         now = time.perf_counter()
         window = LogWindow(self.ntokens_since_last_log, self.flops_since_last_log,
                            self.time_last_log, now, list(self.data_loading_times),
+                           steps=self.steps_since_last_log,
                            start_mark=self._last_mark if mark is not None else None,
                            end_mark=mark)
         self.ntokens_since_last_log = 0
         self.flops_since_last_log = 0.0
+        self.steps_since_last_log = 0
         self.data_loading_times.clear()
         self.time_last_log = now
         self._last_mark = mark
@@ -92,9 +96,7 @@ class OmniMetricsProcessor(MetricsProcessor):
         if window is None:
             window = self.close_window()
         time_delta = window.seconds()
-        # the steps the window covers (log_freq, but the first line's window holds one step)
-        step_seconds = time_delta / max(1, step - self._last_logged_step)
-        self._last_logged_step = step
+        step_seconds = time_delta / max(1, window.steps)
         tps = window.ntokens / (time_delta * self.parallel_dims.non_data_parallel_size)
         if window.flops > 0:
             flops_per_s = window.flops / time_delta
