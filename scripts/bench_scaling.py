@@ -712,8 +712,10 @@ RECOMPILE = "Recompiling function"  # dynamo's line under TORCH_LOGS=recompiles
 # the trainer's expert-load summary on MoE step lines
 MOE_FIELD = re.compile(r"moe: max/mean ([\d.]+) \(layer \d+\) dropped [\d,]+ \(([\d.]+)%\)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# the omni trainer's seconds per step since its previous line (stock lines have none)
+# the omni trainer's seconds per step since its previous line (stock lines have none), and the
+# graphs torch.compile has made so far, the most of any rank (compiled runs)
 STEP_SECONDS = re.compile(r"step time: ([\d.]+)s")
+GRAPHS = re.compile(r"compiled graphs: (\d+)")
 
 
 def _seconds(stamp: str) -> float:
@@ -724,7 +726,8 @@ def _seconds(stamp: str) -> float:
 
 def parse_steps(log: str) -> list[dict]:
     """The per-step metrics of a TorchTitan (stock or omni) log; ``time`` (s) when the line
-    carries a timestamp, ``step_s`` when it says its step time (omni lines)."""
+    carries a timestamp, ``step_s`` when it says its step time and ``graphs`` when it says
+    how many graphs the ranks compiled (omni lines)."""
     out = []
     for line in ANSI.sub("", log).splitlines():
         m = STEP_LINE.search(line)
@@ -737,6 +740,9 @@ def parse_steps(log: str) -> list[dict]:
             seconds = STEP_SECONDS.search(line)
             if seconds:
                 step["step_s"] = float(seconds[1])
+            graphs = GRAPHS.search(line)
+            if graphs:
+                step["graphs"] = int(graphs[1])
             moe = MOE_FIELD.search(line)
             if moe:
                 step.update(max_over_mean=float(moe[1]), dropped_pct=float(moe[2]))
@@ -851,6 +857,13 @@ def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "")
     tflops = share * statistics.median(s["tflops"] for s in timed)
     row.update(tps=tps, tps_range=tps_range, mfu=mfu, mem_gib=max(s["mem_gib"] for s in steps),
                step_s=step_time(steps, point.warmup, profiled))
+    # timed steps in which some rank compiled a graph (the line's count grew): such a step
+    # waits for the compile on every rank
+    counts = {s["step"]: s["graphs"] for s in steps if "graphs" in s}
+    if counts:
+        row["compile_steps_timed"] = sum(
+            1 for s in timed if s["step"] - 1 in counts and s["step"] in counts
+            and counts[s["step"]] > counts[s["step"] - 1])
     if all("dropped_pct" in s for s in timed):
         row.update(max_over_mean=statistics.median(s["max_over_mean"] for s in timed),
                    dropped_pct=statistics.median(s["dropped_pct"] for s in timed))

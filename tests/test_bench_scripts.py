@@ -78,6 +78,20 @@ def test_step_time_reads_the_omni_lines_own_step_times(caplog):
     assert logged["step"] == 3 and logged["step_s"] == 2.0 and logged["tps"] == 500.0
 
 
+def test_timed_steps_in_which_some_rank_compiled_are_counted():
+    """A compiled run's lines give the most graphs any rank has compiled; a timed step whose
+    line's count grew waited for a compile (step 4 here; step 2's growth is warm-up)."""
+    bench = _script("bench_scaling")
+    lines = [_omni_line(k, f"10:00:0{k},000", 8000) + f"  step time: 1.000s  compiled graphs: {g}"
+             for k, g in ((1, 5), (2, 6), (3, 6), (4, 7), (5, 7))]
+    steps = bench.parse_steps("\n".join(lines))
+    assert [s["graphs"] for s in steps] == [5, 6, 6, 7, 7]
+    for s in steps:
+        s["mfu"] = s["tflops"] = 0.0  # no FLOP count needed here
+    row = bench.summarize(bench.Point("p", "x.toml", 2, 8192, warmup=2), steps, 1.0, 0)
+    assert row["compile_steps_timed"] == 1 and row["step_s"] == 1.0
+
+
 def test_steps_slowed_by_profiling_are_left_out_of_the_medians():
     """TorchTitan's profiler records the last 4 steps of each ``profile_freq`` cycle (3 warm-up,
     1 active) and exports the trace in the step after: those steps are slower and leave the

@@ -310,20 +310,26 @@ class OmniTrainer(Trainer):
         local_parts = torch.stack([sums[n].float() for n in part_names])
         # Each part is (local sum / global count): summing over ranks gives the global mean.
         global_parts = all_reduce(local_parts, loss_mesh)
-        # Largest per-rank mean of the text loss (TorchTitan's global_max_loss).
+        # Largest per-rank mean of the text loss (TorchTitan's global_max_loss) and, when
+        # compiling, the most graphs any rank has compiled: one rank's recompile stalls all
         text = "text"
         local_text = sums[text].float() * (
             int(host_counts[text].clamp(min=1)) / int(local_counts[text].clamp(min=1))
         )
-        max_loss = all_reduce(local_text.reshape(1), loss_mesh, op="max")
-        reads = {"parts": global_parts, "max_loss": max_loss, "grad_norm": grad_norm.reshape(1)}
+        maxima = [local_text.reshape(1)]
+        if self.job_config.compile.enable:
+            maxima.append(torch.full((1,), float(compiled_graphs()), device=local_text.device))
+        most = all_reduce(torch.cat(maxima), loss_mesh, op="max")
+        reads = {"parts": global_parts, "max_loss": most[:1], "grad_norm": grad_norm.reshape(1)}
+        if len(maxima) > 1:
+            reads["graphs"] = most[1:]
         counts, moe_steps = self.moe_counter.take()
         if counts is not None:
             reads["moe_loads"], reads["moe_totals"] = reduce_moe_counts(
                 counts, dims.get_optional_mesh("ep"), dims.get_optional_mesh("loss"))
         extra = {"n_tokens_seen": self.ntokens_seen, "lr": lr,
                  **{f"targets/{n}": int(c) for n, c in host_counts.items()},
-                 **self._skipped_samples(), **self._compile_stats(),
+                 **self._skipped_samples(),
                  **balance_metrics(getattr(self.model_parts[0], "encoders", {}))}
         read = DeferredRead(reads)
         now = self._log_now()
@@ -356,6 +362,8 @@ class OmniTrainer(Trainer):
         )
         max_loss, grad_norm = float(values["max_loss"][0]), float(values["grad_norm"][0])
         extra = dict(pending.extra)
+        if "graphs" in values:  # the most any rank has compiled (stops growing after warm-up)
+            extra[COMPILED_GRAPHS] = int(values["graphs"][0])
         if "moe_loads" in values:
             totals = values["moe_totals"]
             extra.update(moe_metrics(values["moe_loads"], totals[0], totals[1], pending.moe_steps))
@@ -387,10 +395,6 @@ class OmniTrainer(Trainer):
         except RuntimeError as e:  # the run failed: its error is what the user needs to see
             logger.warning(f"The last pending log line could not be read: {e}")
         super().close()
-
-    def _compile_stats(self) -> dict[str, int]:
-        """Graphs compiled so far (stops growing after the first steps)."""
-        return {COMPILED_GRAPHS: compiled_graphs()} if self.job_config.compile.enable else {}
 
     def _skipped_samples(self) -> dict[str, int]:
         """Samples the data pipeline skipped so far, per reason, summed over data ranks."""

@@ -182,6 +182,29 @@ def test_run_train_compiled_matches_eager_with_ulysses():
             runs["eager"].losses, runs["compiled"].losses)
 
 
+@pytest.mark.slow
+def test_the_logged_graph_count_is_the_most_any_rank_compiled(tmp_path):
+    """One rank's recompile stalls every rank at the next collective, so the line's compiled
+    graphs are the most of any rank: rank 1 compiles five graphs more than rank 0 in its first
+    step (``compile_count_entry``), and rank 0's lines show more graphs than rank 0 made."""
+    import json
+
+    steps = tmp_path / "steps.jsonl"
+    run = run_train(REPO / "train_configs" / "llama_omni_debug.toml", 2,
+                    "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
+                    "--compile.enable", "--compile.components", "loss",
+                    "--compile.backend", "eager",
+                    "--job.dump_folder", "outputs/test_compile_graph_count",
+                    env={"TRAIN_FILE": "tests.distributed.compile_count_entry",
+                         "OMNI_STEP_FILE": str(steps)})
+    assert run.returncode == 0, run.output[-4000:]
+    lines = [json.loads(line) for line in steps.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    last = lines[-1]  # logged at once (the last step): rank 0's own count is of the same moment
+    assert last["line"] >= last["own"] + 1, lines
+    assert f"compiled graphs: {last['line']}" in run.output
+
+
 def test_wrapping_keeps_names_and_never_replaces_forward():
     # checkpointing and compiling subclass each unit's class; no instance gets a forward of
     # its own and every parameter keeps its name

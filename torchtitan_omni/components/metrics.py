@@ -22,7 +22,8 @@ from torchtitan.tools.logging import logger
 from torchtitan_omni.components.moe_metrics import console_summary
 
 
-#: metric name of the graphs torch.compile has made so far (logged when the job compiles)
+#: metric name of the graphs torch.compile has made so far, the most of any rank (logged when
+#: the job compiles: one rank's recompile stalls every rank at the next collective)
 COMPILED_GRAPHS = "compile/graphs"
 
 
