@@ -71,8 +71,7 @@ class OmniMetricsProcessor(MetricsProcessor):
         window = LogWindow(self.ntokens_since_last_log, self.flops_since_last_log,
                            self.time_last_log, now, list(self.data_loading_times),
                            steps=self.steps_since_last_log,
-                           start_mark=self._last_mark if mark is not None else None,
-                           end_mark=mark)
+                           start_mark=self._last_mark, end_mark=mark)
         self.ntokens_since_last_log = 0
         self.flops_since_last_log = 0.0
         self.steps_since_last_log = 0
