@@ -14,7 +14,8 @@ checks each against a float32 per-document reference:
   the "host ms" column);
 - ``sdpa_cudnn`` / ``sdpa_flash`` / ``sdpa_efficient``: ``scaled_dot_product_attention`` over
   whole rows with one backend (exact only when a row is one document, or for equal-length
-  items batched together);
+  items batched together), k/v repeated to the query heads;
+- ``sdpa_cudnn_kv_heads``: the same cuDNN call with k/v keeping their own (grouped) heads;
 - ``cudnn_ragged``: cuDNN's ragged (cu_seqlens) attention through ``aten._cudnn_attention_*``;
 - ``per_doc_cudnn``: one cuDNN SDPA call per document;
 - ``flex_doc``: FlexAttention (compiled) with a document block mask;
@@ -66,6 +67,9 @@ def layouts(smoke: bool) -> list[dict]:
         # one long document per row, padded to the row's end (long-context rows)
         dict(name="llm 8K one doc", docs=[7800, 392], **llm),
         dict(name="llm 32K one doc", docs=[31200, 1568], **llm),
+        # one rank's share under Ulysses SP4 at 64K: a quarter of the heads, the whole row
+        dict(name="llm 64K one doc, SP4 heads", docs=[62400, 3136], hq=8, hkv=2, d=128,
+             causal=True),
         # SFT-style packing: many documents of 0.5-4K tokens
         dict(name="llm 8K packed 0.5-4K", docs=packed(8192, 512, 4096), **llm),
         dict(name="llm 32K packed 0.5-4K", docs=packed(32768, 512, 4096), **llm),
@@ -150,10 +154,11 @@ def make_candidates(case: dict) -> dict[str, Attn]:
 
     out["varlen_aten"] = varlen_aten
 
-    def sdpa_rows(backend):
+    def sdpa_rows(backend, expand=True):
         def run(q, k, v):
             with sdpa_kernel(backend):
-                qb, kb, vb = (_expand(t, hq).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+                qb, kb, vb = ((_expand(t, hq) if expand else t).transpose(0, 1).unsqueeze(0)
+                              for t in (q, k, v))
                 return F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)[0].transpose(
                     0, 1
                 )
@@ -161,6 +166,8 @@ def make_candidates(case: dict) -> dict[str, Attn]:
 
     if single or len(docs) == 1:
         out["sdpa_cudnn"] = sdpa_rows(SDPBackend.CUDNN_ATTENTION)
+        if case["hkv"] != hq:  # k/v with their own heads: does cuDNN serve the groups itself?
+            out["sdpa_cudnn_kv_heads"] = sdpa_rows(SDPBackend.CUDNN_ATTENTION, expand=False)
         out["sdpa_flash"] = sdpa_rows(SDPBackend.FLASH_ATTENTION)
         out["sdpa_efficient"] = sdpa_rows(SDPBackend.EFFICIENT_ATTENTION)
 
@@ -338,6 +345,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
+    p.add_argument("--only", default="", help="run the cases whose name contains this text")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
@@ -345,7 +353,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sys.exit(2)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []
-    for case in layouts(args.smoke):
+    cases = [c for c in layouts(args.smoke) if args.only in c["name"]]
+    if not cases:
+        sys.exit(f"bench_attention: no case name contains {args.only!r}")
+    for case in cases:
         rows.extend(run_case(case, device, dtype, args.iters, args.warmup))
     if args.out:
         with open(args.out, "w") as f:

@@ -373,6 +373,14 @@ def llama_4gpu() -> list[Point]:
         *with_float8(compiled(Point("omni_8B_64k_sp4_no_ac_realistic", LLAMA8B, 4, 65536,
                                     NO_AC + _sp(4), steps=8, warmup=3, workload="realistic",
                                     estimate_s=110), 90)),
+        # longer rows in the same layout (float8, per-op AC): attention's share of the step
+        # grows with the row, and it ran at about 54% of the bf16 peak at 64K (1.7 of the 3.25 s
+        # step, seventeenth session's profile) against about 45% for the rest; 80K and 96K rows
+        # put 20K and 24K positions on each GPU (64K peaked at 100 of 141 GiB)
+        *[q for k in (80, 96)
+          for q in with_float8(compiled(Point(f"omni_8B_{k}k_sp4_realistic", LLAMA8B, 4,
+                                              k * 1024, SEL + _sp(4), steps=8, warmup=3,
+                                              workload="realistic", estimate_s=50 + k), 90))],
         # a log line every 10 steps (as omni_2gpu's *_log10 points), and the toy rows with
         # the encoders replicated
         *[Point(f"omni_8B_8k_{workload}_log10", LLAMA8B, 4, 8192, SEL + LOG10, steps=30,

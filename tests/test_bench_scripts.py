@@ -514,6 +514,17 @@ def test_attention_benchmark_smoke_times_device_and_host_and_checks_against_refe
         assert r["ms"] > 0 and r["host_ms"] > 0, r
     kernels = {r["kernel"] for r in rows}
     assert {"varlen_fa2", "varlen_aten"} <= kernels
+    # grouped k/v heads are offered to cuDNN as they are where the heads differ
+    assert ("llm single doc", "sdpa_cudnn_kv_heads") in {(r["case"], r["kernel"]) for r in rows}
+    assert "sdpa_cudnn_kv_heads" not in {r["kernel"] for r in rows if r["case"] == "vision items"}
+
+
+def test_attention_benchmark_runs_the_cases_it_is_asked_for():
+    bench = _script("bench_attention")
+    rows = bench.main(["--smoke", "--iters", "1", "--warmup", "0", "--only", "packed"])
+    assert {r["case"] for r in rows} == {"llm packed"}
+    with pytest.raises(SystemExit, match="no case name contains 'nothing'"):
+        bench.main(["--smoke", "--only", "nothing"])
 
 
 def test_tables_state_the_launch_queues_each_kind_of_point_ran_with():

@@ -131,7 +131,8 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     """Attention over whole rows: ``[B, S, Hq, D]`` q and ``[B, S, Hkv, D]`` k/v in, ``[B, S,
     Hq, D]`` out, on the first usable backend of :data:`ROW_BACKENDS`."""
     n_rep = q.shape[2] // k.shape[2]
-    if n_rep > 1:  # cuDNN takes no GQA: each kv head is repeated for its q heads
+    if n_rep > 1:  # cuDNN has no kernel for grouped k/v heads (torch 2.11: "No available
+        # kernel", scripts/bench_attention.py): each kv head is repeated for its q heads
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
     with sdpa_kernel(ROW_BACKENDS, set_priority=True):
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
