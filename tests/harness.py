@@ -205,3 +205,16 @@ def load_script(name: str):
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def metrics_processor(*overrides: str):
+    """The omni trainer's metrics processor for one rank without TensorBoard, its job config
+    parsed from ``overrides`` (TorchTitan's command-line form)."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
+
+    from torchtitan_omni.components.metrics import OmniMetricsProcessor
+
+    job = ConfigManager().parse_args(["--metrics.no-enable_tensorboard", *overrides])
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    return OmniMetricsProcessor(job, dims)

@@ -13,7 +13,7 @@ import tomllib
 import pytest
 import torch
 
-from tests.harness import REPO, load_script as _script
+from tests.harness import REPO, load_script as _script, metrics_processor
 
 
 OMNI_LINE = (
@@ -61,14 +61,7 @@ def test_step_time_reads_the_omni_lines_own_step_times(caplog):
     gaps = [{k: v for k, v in s.items() if k != "step_s"} for s in steps]
     assert bench.step_time(gaps, warmup=2) == pytest.approx(0.6)  # 0.6, 1.4, 0.6: the median
 
-    from torchtitan.config import ConfigManager
-    from torchtitan.distributed import ParallelDims
-
-    from torchtitan_omni.components.metrics import OmniMetricsProcessor
-
-    job = ConfigManager().parse_args(["--metrics.no-enable_tensorboard", "--metrics.log_freq", "4"])
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    metrics = OmniMetricsProcessor(job, dims)
+    metrics = metrics_processor("--metrics.log_freq", "4")
     window = metrics.close_window()
     window.start, window.end = 100.0, 106.0  # a first line, after steps 1-3 of a job
     window.ntokens, window.flops, window.steps = 3000, 6e12, 3

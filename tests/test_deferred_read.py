@@ -4,6 +4,8 @@ a window covers the GPU's time, is in ``test_gpu_fast_paths.py``)."""
 
 import torch
 
+from tests.harness import metrics_processor
+
 
 def test_deferred_read_gives_back_names_shapes_and_exact_counts():
     """On CPU the copy is the read: each value comes back under its name, in its shape, as
@@ -38,14 +40,7 @@ def test_a_marked_window_is_timed_between_the_previous_mark_and_its_own():
     and its own (the GPU's clock), not the host's time between queuing them; a window without
     a mark before it (the first) or without its own (CPU) is timed on the host. Its step time
     is that interval over the training steps counted since the previous line."""
-    from torchtitan.config import ConfigManager
-    from torchtitan.distributed import ParallelDims
-
-    from torchtitan_omni.components.metrics import OmniMetricsProcessor
-
-    job = ConfigManager().parse_args(["--metrics.no-enable_tensorboard"])
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    metrics = OmniMetricsProcessor(job, dims)
+    metrics = metrics_processor()
 
     def line(tokens: int, mark: _Mark | None, steps: int = 1) -> float:
         metrics.ntokens_since_last_log = tokens
