@@ -233,6 +233,9 @@ NO_AC = ("--activation_checkpoint.mode", "none")
 FLOAT8_ENCODERS = ("--omni.float8_encoders",)
 #: every encoder pass's media items spread over all ranks by estimated cost
 BALANCE = ("--parallelism.encoder_sequence_parallel", "balance")
+#: two micro-batches of one row per rank and step on 2 GPUs (gradient accumulation): the
+#: optimizer step and the step's edges once per two rows
+ACCUM2_2GPU = ("--training.global_batch_size", "4")
 
 
 def compiled(point: Point, estimate_s: int = 60) -> Point:
@@ -321,6 +324,10 @@ def omni_2gpu() -> list[Point]:
                                   ("encoders", FLOAT8_ENCODERS),
                                   ("encoders_encoder_ac_op", FLOAT8_ENCODERS + OP_ENCODER_AC),
                                   ("encoders_no_encoder_ac", FLOAT8_ENCODERS + NO_ENCODER_AC))]
+    # two rows per rank and step: 12 steps are the same 24 rows a rank reads in 24 steps
+    # above, 4 of them warm-up (one pass over the 16 rows)
+    float8.append(dataclasses.replace(realistic, name=f"{realistic.name}_accum2",
+                                      args=realistic.args + ACCUM2_2GPU, steps=12, warmup=4))
     # the same logging every 8 steps, one pass over the 16 rows per line: the points above log
     # every step, and each log line makes the host wait for the GPU (the fourteenth session's
     # trace: a rank's GPU idles 63 and 24 ms after its step's two host reads)
@@ -721,7 +728,7 @@ RECOMPILE = "Recompiling function"  # dynamo's line under TORCH_LOGS=recompiles
 MOE_FIELD = re.compile(r"moe: max/mean ([\d.]+) \(layer \d+\) dropped [\d,]+ \(([\d.]+)%\)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # the omni trainer's seconds per step since its previous line (stock lines have none), and the
-# graphs torch.compile has made so far, the most of any rank (compiled runs)
+# graphs torch.compile has made so far, summed over the ranks (compiled runs)
 STEP_SECONDS = re.compile(r"step time: ([\d.]+)s")
 GRAPHS = re.compile(r"compiled graphs: (\d+)")
 

@@ -310,19 +310,19 @@ class OmniTrainer(Trainer):
         local_parts = torch.stack([sums[n].float() for n in part_names])
         # Each part is (local sum / global count): summing over ranks gives the global mean.
         global_parts = all_reduce(local_parts, loss_mesh)
-        # Largest per-rank mean of the text loss (TorchTitan's global_max_loss) and, when
-        # compiling, the most graphs any rank has compiled: one rank's recompile stalls all
+        # Largest per-rank mean of the text loss (TorchTitan's global_max_loss)
         text = "text"
         local_text = sums[text].float() * (
             int(host_counts[text].clamp(min=1)) / int(local_counts[text].clamp(min=1))
         )
-        maxima = [local_text.reshape(1)]
+        most = all_reduce(local_text.reshape(1), loss_mesh, op="max")
+        reads = {"parts": global_parts, "max_loss": most, "grad_norm": grad_norm.reshape(1)}
         if self.job_config.compile.enable:
-            maxima.append(torch.full((1,), float(compiled_graphs()), device=local_text.device))
-        most = all_reduce(torch.cat(maxima), loss_mesh, op="max")
-        reads = {"parts": global_parts, "max_loss": most[:1], "grad_norm": grad_norm.reshape(1)}
-        if len(maxima) > 1:
-            reads["graphs"] = most[1:]
+            # the graphs every rank has compiled, summed: it grows whenever any rank compiles,
+            # and one rank's compile stalls them all at the next collective (the most of any
+            # rank stays put while a rank compiles what another already has)
+            reads["graphs"] = all_reduce(
+                torch.full((1,), float(compiled_graphs()), device=local_text.device), loss_mesh)
         counts, moe_steps = self.moe_counter.take()
         if counts is not None:
             reads["moe_loads"], reads["moe_totals"] = reduce_moe_counts(
@@ -362,7 +362,7 @@ class OmniTrainer(Trainer):
         )
         max_loss, grad_norm = float(values["max_loss"][0]), float(values["grad_norm"][0])
         extra = dict(pending.extra)
-        if "graphs" in values:  # the most any rank has compiled (stops growing after warm-up)
+        if "graphs" in values:  # summed over the ranks (stops growing after warm-up)
             extra[COMPILED_GRAPHS] = int(values["graphs"][0])
         if "moe_loads" in values:
             totals = values["moe_totals"]

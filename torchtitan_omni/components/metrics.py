@@ -22,8 +22,9 @@ from torchtitan.tools.logging import logger
 from torchtitan_omni.components.moe_metrics import console_summary
 
 
-#: metric name of the graphs torch.compile has made so far, the most of any rank (logged when
-#: the job compiles: one rank's recompile stalls every rank at the next collective)
+#: metric name of the graphs torch.compile has made so far, summed over the ranks (logged when
+#: the job compiles: it grows whenever any rank compiles, and one rank's compile stalls every
+#: rank at the next collective)
 COMPILED_GRAPHS = "compile/graphs"
 
 
