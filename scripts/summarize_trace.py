@@ -3,7 +3,8 @@
 Prints the step's wall time, the GPU kernel time (and so how idle the GPU was), the kernel
 time by kind (matrix products, attention, communication, the rest), the top kernels, the
 longest idle gaps, the host syncs (CUDA ``*Synchronize`` calls, by the host op that made
-them: a sync per MoE layer, say, shows as one op's count equal to the layer count) and the
+them: a sync per MoE layer, say, shows as one op's count equal to the layer count), the
+host's compiling (frames compiled, kernels autotuned at their first launch) and the
 GPU timeline by part of the model (the LLM, each encoder, the optimizer; forward and backward):
 how long each held the GPU, how much of that it computed and how long the GPU sat idle
 waiting for it; then the host side by part: each host thread's time in each part, inside
@@ -83,6 +84,7 @@ def summarize(path: str, top: int = 20) -> str:
         lines.append(f"  {dur / 1e3:9.1f} ms  {name}")
     lines += idle_gaps(events, kernels, top)
     lines += host_syncs(events, start, start + wall_us)
+    lines += compiles(events, start, start + wall_us)
     lines += by_part(events, kernels)
     lines += host_by_part(events, top)
     return "\n".join(lines)
@@ -161,6 +163,30 @@ def host_syncs(events: list[dict], start: float, stop: float) -> list[str]:
     out += [f"  {int(n):9d}x  {name} ({dur / 1e3:.1f} ms on the host)"
             for name, (n, dur) in sorted(memory.items(), key=lambda kv: -kv[1][1])]
     return out
+
+
+#: the host's compile work: dynamo's compile of a frame (its whole-compile event), and
+#: Inductor's autotuning of a kernel's configs at the kernel's first launch, which may come
+#: steps after its graph was compiled
+FRAME_COMPILE = "dynamo"
+AUTOTUNE = "CachingAutotuner.benchmark_all_configs"
+
+
+def compiles(events: list[dict], start: float, stop: float) -> list[str]:
+    """This rank's host compiling while the recorded kernels ran: frames compiled and kernels
+    autotuned (the autotuning may fall inside a frame's compile). One rank's compile stalls
+    every rank at the next collective; their traces show it as a long collective kernel, not
+    as a compile."""
+    host = [e for e in events if e.get("cat") in HOST_CATS and "dur" in e
+            and start <= e["ts"] <= stop]
+    frames = [e for e in host if e["name"] == FRAME_COMPILE]
+    tunes = [e for e in host if e["name"].startswith(AUTOTUNE)]
+    if not (frames or tunes):
+        return []
+    return [f"  compiling on this host in the GPU window: {len(frames)} frame compile(s), "
+            f"{sum(e['dur'] for e in frames) / 1e3:.1f} ms; {len(tunes)} kernel autotuning(s) "
+            f"at first launch, {sum(e['dur'] for e in tunes) / 1e3:.1f} ms (every rank waits "
+            "for it at its next collective)"]
 
 
 #: memory calls of the caching allocators: device (cudaFree waits for the device) and pinned

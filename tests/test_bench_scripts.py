@@ -152,6 +152,29 @@ def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
     assert "host syncs in the GPU window: 1" in text
     assert "1x  cudaStreamSynchronize in aten::_local_scalar_dense" in text
     assert "2x  cudaFree (3.0 ms on the host)" in text
+    assert "compiling on this host" not in text  # nothing compiled in this window
+
+
+def test_trace_summary_reports_the_hosts_compiling(tmp_path):
+    """A rank compiling mid-run stalls every rank; its own trace says so (call 3 of the
+    eighteenth session: rank 1 compiled 6.55 s in step 14 while rank 0 waited in a gather)."""
+    trace = _script("summarize_trace")
+    events = [
+        {"name": "nvjet_sm90_tst_256x128", "cat": "kernel", "ts": 0, "dur": 1000},
+        {"name": "dynamo", "cat": "user_annotation", "ts": 2000, "dur": 6000},
+        {"name": "CachingAutotuner.benchmark_all_configs (dynamo_timed)",
+         "cat": "user_annotation", "ts": 5000, "dur": 2500},
+        {"name": "CachingAutotuner.benchmark_all_configs (dynamo_timed)",
+         "cat": "user_annotation", "ts": 9000, "dur": 500},
+        # after the recorded kernels: not this window's
+        {"name": "dynamo", "cat": "user_annotation", "ts": 20000, "dur": 6000},
+        {"name": "flash_fwd_kernel", "cat": "kernel", "ts": 10000, "dur": 500},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    text = trace.summarize(str(path))
+    assert ("compiling on this host in the GPU window: 1 frame compile(s), 6.0 ms; 2 kernel "
+            "autotuning(s) at first launch, 3.0 ms") in text
 
 
 def test_trace_summary_splits_the_timeline_by_part(tmp_path):
