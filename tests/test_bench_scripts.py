@@ -72,8 +72,8 @@ def test_step_time_reads_the_omni_lines_own_step_times(caplog):
 
 
 def test_timed_steps_in_which_some_rank_compiled_are_counted():
-    """A compiled run's lines give the most graphs any rank has compiled; a timed step whose
-    line's count grew waited for a compile (step 4 here; step 2's growth is warm-up)."""
+    """A compiled run's lines give the graphs the ranks have compiled, summed; a timed step
+    whose line's count grew waited for a compile (step 4 here; step 2's growth is warm-up)."""
     bench = _script("bench_scaling")
     lines = [_omni_line(k, f"10:00:0{k},000", 8000) + f"  step time: 1.000s  compiled graphs: {g}"
              for k, g in ((1, 5), (2, 6), (3, 6), (4, 7), (5, 7))]

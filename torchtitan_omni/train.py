@@ -307,22 +307,24 @@ class OmniTrainer(Trainer):
         if not self.metrics_processor.should_log(self.step):
             return
         part_names = list(sums)
-        local_parts = torch.stack([sums[n].float() for n in part_names])
+        local_sums = [sums[n].float() for n in part_names]
+        if self.job_config.compile.enable:
+            # the graphs every rank has compiled, summed: it grows whenever any rank compiles,
+            # and one rank's compile stalls them all at the next collective (the most of any
+            # rank stays put while a rank compiles what another already has)
+            local_sums.append(torch.tensor(float(compiled_graphs()), device=local_sums[0].device))
         # Each part is (local sum / global count): summing over ranks gives the global mean.
-        global_parts = all_reduce(local_parts, loss_mesh)
+        global_sums = all_reduce(torch.stack(local_sums), loss_mesh)
         # Largest per-rank mean of the text loss (TorchTitan's global_max_loss)
         text = "text"
         local_text = sums[text].float() * (
             int(host_counts[text].clamp(min=1)) / int(local_counts[text].clamp(min=1))
         )
-        most = all_reduce(local_text.reshape(1), loss_mesh, op="max")
-        reads = {"parts": global_parts, "max_loss": most, "grad_norm": grad_norm.reshape(1)}
-        if self.job_config.compile.enable:
-            # the graphs every rank has compiled, summed: it grows whenever any rank compiles,
-            # and one rank's compile stalls them all at the next collective (the most of any
-            # rank stays put while a rank compiles what another already has)
-            reads["graphs"] = all_reduce(
-                torch.full((1,), float(compiled_graphs()), device=local_text.device), loss_mesh)
+        max_loss = all_reduce(local_text.reshape(1), loss_mesh, op="max")
+        reads = {"parts": global_sums[:len(part_names)], "max_loss": max_loss,
+                 "grad_norm": grad_norm.reshape(1)}
+        if len(local_sums) > len(part_names):
+            reads["graphs"] = global_sums[len(part_names):]
         counts, moe_steps = self.moe_counter.take()
         if counts is not None:
             reads["moe_loads"], reads["moe_totals"] = reduce_moe_counts(

@@ -11,7 +11,7 @@ Shapes vary from batch to batch (packed rows are padded to a multiple of
 ``data.pad_multiple``, media counts change): the first batch compiles static shapes and the
 first change marks the varying sizes dynamic, so a job compiles each block class two or three
 times and never again. :func:`compiled_graphs` counts the compilations; the trainer logs
-the most of any rank (``compile/graphs``, "compiled graphs" on the console).
+their sum over the ranks (``compile/graphs``, "compiled graphs" on the console).
 
 A block whose forward cannot be one graph says so with ``compile_fullgraph`` False (an MoE
 block under expert parallel: its experts are usually an FSDP unit of their own, whose hooks
