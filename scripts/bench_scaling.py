@@ -238,8 +238,6 @@ BALANCE = ("--parallelism.encoder_sequence_parallel", "balance")
 ACCUM2_2GPU = ("--training.global_batch_size", "4")
 #: encoder calls of under 8,192 rows run without activation checkpointing (configs: 1,024)
 AC_MIN_8K = ("--omni.encoder_checkpoint_min_tokens", "8192")
-#: FSDP's gradient reduce-scatter in bf16 (TorchTitan's default is fp32)
-REDUCE_BF16 = ("--training.mixed_precision_reduce", "bfloat16")
 
 
 def compiled(point: Point, estimate_s: int = 60) -> Point:
@@ -343,9 +341,6 @@ def omni_2gpu() -> list[Point]:
     # is small next to its host time, and the recompute adds a third forward's launches
     float8.append(dataclasses.replace(realistic, name=f"{realistic.name}_ac_min8k",
                                       args=realistic.args + AC_MIN_8K))
-    # the gradients reduce-scattered in bf16 instead of fp32 (half the bytes and no fp32 copy-in)
-    float8.append(dataclasses.replace(realistic, name=f"{realistic.name}_reduce_bf16",
-                                      args=realistic.args + REDUCE_BF16))
     # the LLM alone on rows of the same shape (one 7.8K document each, no media): the ceiling
     # the realistic rows' MFU approaches when the encoders run as fast as the LLM
     float8.append(as_float8(compiled(eager[2])))
