@@ -567,10 +567,11 @@ def fixed_part_points(ep: int) -> list[Point]:
     """The MoE 12-layer cut on ``ep`` GPUs, EP over all of them, text at 8K and 16K: without
     activation checkpointing (no recompute: 4 exchanges per layer and step instead of 6) and
     with the NVSHMEM exchange (no host sync per layer), each next to the default points of its
-    plan: what part of the step does not grow with tokens (issue 12)."""
+    plan: what part of the step does not grow with tokens (issue 12); also both at once."""
     return [Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep{ep}_text_exact_{tag}", MOE, ep, seq,
                   _layers(12) + flags + _ep(ep), workload="text", estimate_s=80)
-            for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM))
+            for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM),
+                               ("no_ac_nvshmem", NO_AC + NVSHMEM))
             for seq in (8192, 16384)]
 
 
