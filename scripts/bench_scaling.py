@@ -560,6 +560,10 @@ def moe_4gpu() -> list[Point]:
         # session: the compute stream waiting on the exchanges, 12 host syncs a step; 8K peaks
         # at 38 of 80 GiB with full AC)
         *fixed_part_points(4),
+        # ... without AC and compiled: the fewest launches and exchanges per step (no recompute,
+        # fused blocks), so the least host time, which is what the 8K step's fixed part is (the
+        # forward's GPU idles 109 of 239 ms behind the host, nineteenth session's profile)
+        *[compiled(p, 70) for p in fixed_part_points(4) if p.name.endswith("_no_ac")],
     ]
 
 
