@@ -98,8 +98,10 @@ class Parallelism:
     read on the host, one host sync per MoE layer and pass. "nvshmem": torch's
     symmetric-memory all-to-all-v with the split sizes on the device (CUDA with NVSHMEM): no
     host read in the step, so the host runs ahead of the GPU; received rows live in buffers
-    sized for the worst case (EP degree x tokens x top_k rows per rank). Same results, nothing
-    dropped. See docs/parallelism.md."""
+    sized for the worst case (EP degree x tokens x top_k rows per rank), and so are the
+    experts' activations: keep activation checkpointing on with it (without, autograd keeps
+    every MoE layer's worst-case activations). Same results, nothing dropped. See
+    docs/parallelism.md."""
 
     expert_dispatch_chunks: int = 1
     """Capacity-padded expert parallel only (expert_capacity_factor > 0): cut each (rank,
