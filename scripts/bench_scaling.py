@@ -341,6 +341,11 @@ def omni_2gpu() -> list[Point]:
     # is small next to its host time, and the recompute adds a third forward's launches
     float8.append(dataclasses.replace(realistic, name=f"{realistic.name}_ac_min8k",
                                       args=realistic.args + AC_MIN_8K))
+    # per-op encoder AC: the encoders' matmul and attention outputs kept, only their elementwise
+    # ops recomputed (the encoders' added work runs at about 31% MFU under full AC, nineteenth
+    # session)
+    float8.append(dataclasses.replace(realistic, name=f"{realistic.name}_encoder_ac_op",
+                                      args=realistic.args + OP_ENCODER_AC))
     # the LLM alone on rows of the same shape (one 7.8K document each, no media): the ceiling
     # the realistic rows' MFU approaches when the encoders run as fast as the LLM
     float8.append(as_float8(compiled(eager[2])))
