@@ -310,10 +310,12 @@ def omni_2gpu() -> list[Point]:
               steps=4, warmup=2, workload="realistic", estimate_s=240),
     ]
     # float8 linears next to the bf16 compiled points (stock, text-only, realistic rows): the
-    # 2-GPU pairs of float8_points, on the same compiled points as above
+    # 2-GPU pairs of float8_points, on the same compiled points as above; and the long text
+    # (one 7.8K document a row, no media): the LLM alone on rows of the realistic rows' shape,
+    # the ceiling their MFU approaches when the encoders run as fast as the LLM
     float8 = [as_float8(compiled(p))
               for p in eager if p.name in ("stock_llama3_8B_8k_fsdp2", "omni_8B_8k_text_only",
-                                           "omni_8B_8k_realistic")]
+                                           "omni_8B_8k_long_text", "omni_8B_8k_realistic")]
     # the realistic rows' float8 point (47.5% model-FLOPs MFU over 24 steps, thirteenth
     # session) with the encoders' media items balanced over the ranks, without encoder AC,
     # with the encoders' linears in float8 too (also with per-op or no encoder AC): what the
@@ -346,9 +348,6 @@ def omni_2gpu() -> list[Point]:
     # session)
     float8.append(dataclasses.replace(realistic, name=f"{realistic.name}_encoder_ac_op",
                                       args=realistic.args + OP_ENCODER_AC))
-    # the LLM alone on rows of the same shape (one 7.8K document each, no media): the ceiling
-    # the realistic rows' MFU approaches when the encoders run as fast as the LLM
-    float8.append(as_float8(compiled(eager[2])))
     return eager + [long] + [compiled(p) for p in eager] + longer + float8
 
 
