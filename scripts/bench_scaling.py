@@ -238,6 +238,11 @@ BALANCE = ("--parallelism.encoder_sequence_parallel", "balance")
 ACCUM2_2GPU = ("--training.global_batch_size", "4")
 #: encoder calls of under 8,192 rows run without activation checkpointing (configs: 1,024)
 AC_MIN_8K = ("--omni.encoder_checkpoint_min_tokens", "8192")
+#: every FSDP unit stays gathered from its forward to its backward (no re-gather in the
+#: backward; the unsharded parameters held meanwhile)
+RESHARD_NEVER = ("--parallelism.fsdp_reshard_after_forward", "never")
+#: every FSDP unit resharded after its forward (the LLM head too; "default" keeps it gathered)
+RESHARD_ALWAYS = ("--parallelism.fsdp_reshard_after_forward", "always")
 
 
 def compiled(point: Point, estimate_s: int = 60) -> Point:
@@ -348,6 +353,15 @@ def omni_2gpu() -> list[Point]:
     # session)
     float8.append(dataclasses.replace(realistic, name=f"{realistic.name}_encoder_ac_op",
                                       args=realistic.args + OP_ENCODER_AC))
+    # no FSDP unit resharded after its forward: the backward gathers nothing (half the
+    # all-gathers of the step, each a point where one rank waits for the other's media work),
+    # for the LLM's float8 weights held from forward to backward (about 7 GiB on 2 GPUs); the
+    # long text alike (the LLM alone), and with every unit resharded (the LLM head too)
+    long_text = next(p for p in float8 if p.name == "omni_8B_8k_long_text_compile_float8")
+    float8 += [dataclasses.replace(p, name=f"{p.name}_{tag}", args=p.args + flags)
+               for p in (realistic, long_text)
+               for tag, flags in (("reshard_never", RESHARD_NEVER),
+                                  ("reshard_always", RESHARD_ALWAYS))]
     return eager + [long] + [compiled(p) for p in eager] + longer + float8
 
 
@@ -575,11 +589,13 @@ def fixed_part_points(ep: int) -> list[Point]:
     """The MoE 12-layer cut on ``ep`` GPUs, EP over all of them, text at 8K and 16K: without
     activation checkpointing (no recompute: 4 exchanges per layer and step instead of 6) and
     with the NVSHMEM exchange (no host sync per layer), each next to the default points of its
-    plan: what part of the step does not grow with tokens (issue 12); also both at once."""
+    plan: what part of the step does not grow with tokens (issue 12); also both at once; and
+    with no FSDP unit resharded after its forward (no all-gather in the backward)."""
     return [Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep{ep}_text_exact_{tag}", MOE, ep, seq,
                   _layers(12) + flags + _ep(ep), workload="text", estimate_s=80)
             for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM),
-                               ("no_ac_nvshmem", NO_AC + NVSHMEM))
+                               ("no_ac_nvshmem", NO_AC + NVSHMEM),
+                               ("reshard_never", FULL + RESHARD_NEVER))
             for seq in (8192, 16384)]
 
 
