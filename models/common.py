@@ -13,17 +13,22 @@ LLM_FSDP_UNITS = ("tok_embeddings", "layers.*", "output")
 #: gathered from the embedding lookup to the head's loss
 LLM_TIED_GROUPS = (("tok_embeddings", "output"),)
 LLM_AC_UNITS = ("layers.*",)
+#: the head runs last in the forward and first in the backward: left gathered in between
+LLM_GATHERED_AFTER_FORWARD = ("output",)
 LLM_ATTENTION = "llm.layers.*.attention"
 MOE_EXPERTS = "llm.layers.*.moe.experts"
 
 
 def llm_part(tied: bool = False) -> PartLayout:
     """The foundation: embeddings, each layer and the head as FSDP units (embedding and head as
-    one unit when ``tied``); layers checkpointed."""
+    one unit when ``tied``); layers checkpointed; the head (its unit) left gathered from its
+    forward to its backward."""
     if tied:
         return PartLayout("llm", fsdp_units=("layers.*",), ac_units=LLM_AC_UNITS,
-                          fsdp_groups=LLM_TIED_GROUPS)
-    return PartLayout("llm", fsdp_units=LLM_FSDP_UNITS, ac_units=LLM_AC_UNITS)
+                          fsdp_groups=LLM_TIED_GROUPS,
+                          gathered_after_forward=LLM_GATHERED_AFTER_FORWARD)
+    return PartLayout("llm", fsdp_units=LLM_FSDP_UNITS, ac_units=LLM_AC_UNITS,
+                      gathered_after_forward=LLM_GATHERED_AFTER_FORWARD)
 
 
 def encoder_part(name: str, encoder_cls) -> PartLayout:

@@ -362,13 +362,19 @@ def omni_2gpu() -> list[Point]:
                for p in (realistic, long_text)
                for tag, flags in (("reshard_never", RESHARD_NEVER),
                                   ("reshard_always", RESHARD_ALWAYS))]
+    # ... with per-op encoder AC too (each 1.08x and 1.04x alone, twentieth session), and with
+    # the audio tower unchecked (no compile stalls, nineteenth session)
+    float8 += [dataclasses.replace(realistic, name=f"{realistic.name}_reshard_never_{tag}",
+                                   args=realistic.args + RESHARD_NEVER + flags)
+               for tag, flags in (("encoder_ac_op", OP_ENCODER_AC), ("ac_min8k", AC_MIN_8K))]
     return eager + [long] + [compiled(p) for p in eager] + longer + float8
 
 
 def llama_4gpu() -> list[Point]:
     """LLaMA#Omni 8B, FSDP + Ulysses on 4 GPUs: realistic rows first, toy rows second; long
-    text and toy rows logging every 10 steps (the toy rows also with the encoders replicated)."""
-    return [
+    text and toy rows logging every 10 steps (the toy rows also with the encoders replicated);
+    the float8 realistic rows at 8K and 64K also with no FSDP unit resharded."""
+    points = [
         Point("stock_llama3_8B_8k_fsdp4", "8B", 4, 8192, SEL, steps=12, stock=True, estimate_s=70),
         Point("omni_8B_8k_sp1_realistic", LLAMA8B, 4, 8192, SEL, steps=12, workload="realistic",
               estimate_s=90),
@@ -434,6 +440,12 @@ def llama_4gpu() -> list[Point]:
                              ("encoder_ac_op", OP_ENCODER_AC))],
         *float8_points(4),
     ]
+    # no FSDP unit resharded after its forward (1.08x on the 2-GPU realistic rows, twentieth
+    # session; about 10 GiB more: the 64K point peaked at 100 GiB resharding, seventeenth)
+    return points + [
+        dataclasses.replace(p, name=f"{p.name}_reshard_never", args=p.args + RESHARD_NEVER)
+        for p in points if p.name in ("omni_8B_8k_fsdp4_realistic_compile_float8",
+                                      "omni_8B_64k_sp4_realistic_compile_float8")]
 
 
 def float8_points(ngpu: int) -> list[Point]:

@@ -135,7 +135,7 @@ class TinyAudioEncoder(OmniEncoder):
 # ----------------------------------------------------------------- models
 def _plan(moe: bool, encoder_mesh: str = "fsdp") -> OmniParallelPlan:
     parts = [PartLayout("llm", fsdp_units=("tok_embeddings", "layers.*", "output"),
-                        ac_units=("layers.*",))]
+                        ac_units=("layers.*",), gathered_after_forward=("output",))]
     parts.append(
         PartLayout("encoders.vision", fsdp_units=("attn",), mesh=encoder_mesh, ac_units=("attn",))
     )

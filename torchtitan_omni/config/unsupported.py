@@ -176,7 +176,8 @@ KEYS: dict[str, Rule] = {
     "parallelism.data_parallel_shard_degree": honoured(
         "the device mesh (validate.resolved_degrees checks it against the world size)"),
     "parallelism.fsdp_reshard_after_forward": honoured(
-        "FSDP2 reshard_after_forward ('default' is 'always' without pipeline parallel)"),
+        "FSDP2 reshard_after_forward ('default': every unit but the plan's "
+        "gathered_after_forward ones, the LLM head, as TorchTitan's default)"),
     "parallelism.tensor_parallel_degree": refused(_TP),
     "parallelism.disable_loss_parallel": no_op(
         "loss parallel needs tensor parallel, which is refused: it is off either way"),

@@ -19,7 +19,9 @@ Order (each step reads the spec's ``OmniParallelPlan``):
 6. FSDP2: experts over the expert mesh (none where that mesh is one rank and every LLM block
    is checkpointed: :func:`experts_outside_fsdp`), then each part's groups (modules sharing
    a parameter, one ``fully_shard`` of a list), units and the part over the part's mesh (its
-   ``fsdp_mesh``; with ``fsdp_unit`` "part" the part alone), then the root. Every reduction
+   ``fsdp_mesh``; with ``fsdp_unit`` "part" the part alone), then the root. Each unit is
+   resharded after its forward (``parallelism.fsdp_reshard_after_forward``: "always", or
+   "default" except the plan's ``gathered_after_forward`` units) or not ("never"). Every reduction
    is a plain sum (the loss is already divided by the global target count; gloo has no
    AVG/PREMUL_SUM).
 
@@ -176,7 +178,12 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
     if default_mesh is None:
         return {}
     mp = mixed_precision(job_config)
-    reshard = job_config.parallelism.fsdp_reshard_after_forward != "never"
+    reshard_policy = job_config.parallelism.fsdp_reshard_after_forward
+    # "default": every unit resharded after its forward except those the plan leaves gathered
+    # (the head: the backward's first unit); "always" and "never" apply to every unit
+    kept_gathered = {id(m) for part in plan.parts
+                     for _, m in matching_modules(model, part.root, part.gathered_after_forward)
+                     } if reshard_policy == "default" else set()
     fp32 = matching_modules(model, "", plan.fp32_modules)
     # training.enable_cpu_offload: sharded parameters, gradients and optimizer state live in
     # host memory; each unit's parameters come to the GPU for its forward and backward only
@@ -189,6 +196,7 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
         if any(isinstance(m, FSDPModule) for m in group):
             return  # already a unit (e.g. an fp32 module that is also listed as a unit)
         policy = _fp32_policy(mp) if any(m is f for m in group for _, f in fp32) else mp
+        reshard = reshard_policy != "never" and not any(id(m) in kept_gathered for m in group)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard,
                     offload_policy=offload, ignored_params=ignored or None, **kwargs)
 

@@ -41,6 +41,11 @@ class PartLayout:
     #: embedding) must be in one unit, which stays gathered from the first one's forward to
     #: the last one's
     fsdp_groups: tuple[tuple[str, ...], ...] = ()
+    #: FSDP units or groups (patterns relative to ``root``; a group matches if a member does)
+    #: left gathered after their forward under ``parallelism.fsdp_reshard_after_forward =
+    #: "default"``: the backward needs them first, so resharding would only gather them again
+    #: at once (TorchTitan's default leaves its norm and head gathered for the same reason)
+    gathered_after_forward: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
