@@ -13,7 +13,12 @@ actually trained, counting model FLOPs (useful work) rather than what a rank hap
   (``sum_d len_d (len_d + 1) / 2`` query-key pairs, 4 FLOPs x heads x head_dim each, x3 for
   forward + backward);
 - encoders: ``6 x parameters`` per encoder token plus bidirectional attention within each
-  item (:func:`encoder_items`; an encoder may instead define ``flops(media, modality)``);
+  item (:func:`encoder_items`), or within each sequence the encoder's
+  ``attention_segments(media, modality)`` names (Qwen2-VL's tower attends within each temporal
+  patch of a video, not across the clip); a sub-module that runs on another number of rows than the
+  encoder's blocks (a patch merger, a strided stem) counts at its rows per encoder token, which
+  the encoder's ``flops_row_ratios`` (sub-module name -> ratio) declares; an encoder may
+  instead define ``flops(media, modality)``;
 - decoders: ``6 x trainable, non-lookup parameters`` per generated position (the frozen VQ
   tokenizer and embedding lookups are free).
 
@@ -109,7 +114,16 @@ class _EncoderCost:
 
     def __init__(self, encoder: nn.Module) -> None:
         self.encoder = encoder
-        self.params = _numel(encoder.parameters())
+        # parameters weighted by the rows they run on per encoder token: 1 unless the encoder
+        # lists the sub-module in ``flops_row_ratios`` (a merger on a quarter of the rows, a
+        # stem on twice as many)
+        ratios: dict[str, float] = getattr(encoder, "flops_row_ratios", None) or {}
+        weighted, counted = 0.0, set()
+        for name, ratio in ratios.items():
+            for p in encoder.get_submodule(name).parameters():
+                weighted += p.numel() * float(ratio)
+                counted.add(id(p))
+        self.params = weighted + _numel(p for p in encoder.parameters() if id(p) not in counted)
         # Sum of heads x head_dim over the encoder's attention modules (all layers).
         self.attention_width = sum(
             m.n_heads * m.head_dim for m in encoder.modules() if isinstance(m, SelfAttention)
@@ -121,7 +135,11 @@ class _EncoderCost:
             return float(custom(media, modality))
         items = encoder_items(media, self.encoder.processing(modality))
         tokens = sum(items)
-        pairs = sum(n * n for n in items)  # bidirectional within each item
+        # bidirectional within each item, or within the spans the encoder says it attends
+        # over (a video's frames each on their own)
+        segments = getattr(self.encoder, "attention_segments", None)
+        spans = segments(media, modality) if callable(segments) else items
+        pairs = sum(n * n for n in spans)
         return 6.0 * self.params * tokens + 3 * 4 * self.attention_width * pairs
 
 

@@ -174,3 +174,48 @@ def test_media_flops_count_encoders_and_decoders():
     # and the patch convolution's input gradient (pixels need none): 9% at this tiny width,
     # well under 1% for SigLIP-L.
     assert measured <= estimate < 1.10 * measured
+
+
+def _measured_and_estimated(encoder, media: dict, modality: str, key: str) -> tuple[int, float]:
+    """FlopCounterMode's count of the encoder's forward + backward (its input requiring grad,
+    so a stem's input gradient counts as everywhere else) and the FLOP counter's estimate."""
+    from torchtitan_omni.flops import _EncoderCost
+
+    torch.manual_seed(0)
+    for p in encoder.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    media[key].requires_grad_(True)
+    with FlopCounterMode(display=False) as fc:
+        encoder.lm_encode(media, modality).sum().backward()
+    return fc.get_total_flops(), _EncoderCost(encoder)(media, modality)
+
+
+def test_vision_flops_count_the_merger_on_merged_rows_and_attention_per_frame():
+    """Qwen2-VL's tower: the merger runs on one row per 2x2 window, and a video's patches
+    attend within their temporal patch, not across the clip; the estimate matches what runs
+    (within the norms and biases that FlopCounterMode does not count) for a video of two
+    temporal patches and an image."""
+    from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder, patchify
+
+    args = VisionArgs.debug()
+    encoder = VisionEncoder(args, D)
+    sizes = (args.patch_size, args.merge_size, args.temporal_patch_size)
+    video, video_grid = patchify(torch.randn(4, 3, 64, 64), *sizes)
+    image, image_grid = patchify(torch.randn(1, 3, 32, 48), *sizes)
+    assert video_grid[0] == 2  # two temporal patches
+    media = {"patches": torch.cat([video, image]),
+             "grid_thw": torch.tensor([video_grid, image_grid])}
+    measured, estimated = _measured_and_estimated(encoder, media, "video", "patches")
+    assert estimated == pytest.approx(measured, rel=0.02)
+
+
+def test_audio_flops_count_the_stem_on_every_frame_and_the_projector_on_pooled_pairs():
+    """Whisper's stem convolves every mel frame (twice the blocks' rows) and Qwen2-Audio's
+    projector runs on pooled pairs (half of them): the estimate matches what runs on two
+    unpadded clips."""
+    from torchtitan_omni.encoders.audio import AudioArgs, AudioEncoder
+
+    encoder = AudioEncoder(AudioArgs.debug(), D)
+    media = {"features": torch.randn(2, 80, 512), "lengths": torch.tensor([512, 512])}
+    measured, estimated = _measured_and_estimated(encoder, media, "audio", "features")
+    assert estimated == pytest.approx(measured, rel=0.02)

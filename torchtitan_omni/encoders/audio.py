@@ -142,6 +142,9 @@ class AudioEncoder(OmniEncoder):
         self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.projector = MLPProjector(args.dim, llm_dim, args.projector_hidden or llm_dim,
                                       args.projector_depth)
+        #: rows per block row (model FLOPs: torchtitan_omni.flops): the first conv runs on every
+        #: mel frame (two per block row), the projector on the pooled pairs
+        self.flops_row_ratios = {"conv1": 2.0, "projector": 0.5}
 
     def _block(self) -> EncoderBlock:
         a = self.args

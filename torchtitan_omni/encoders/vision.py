@@ -218,6 +218,8 @@ class VisionEncoder(OmniEncoder):
             for _ in range(args.depth)
         )
         self.merger = PatchMerger(args.dim, llm_dim, args.merge_size, args.norm_eps)
+        #: the merger's MLP runs on one row per merge window (model FLOPs: torchtitan_omni.flops)
+        self.flops_row_ratios = {"merger.mlp": 1 / args.merge_size**2}
 
     # ----------------------------------------------------------------- contract
     def processing(self, modality: str):
@@ -261,6 +263,13 @@ class VisionEncoder(OmniEncoder):
 
     def hf_adapter(self):
         return Qwen2VLVisionAdapter(self.args, self.llm_dim)
+
+    def attention_segments(self, media: dict[str, torch.Tensor], modality: str) -> list[int]:
+        """Rows of each sequence the blocks attend within: every temporal patch of every item
+        (``attention_span = "frame"``) or every whole item (``"item"``). Model FLOPs count the
+        towers' attention by these (``torchtitan_omni.flops``)."""
+        del modality
+        return self._segments(media["grid_thw"].tolist())
 
     # ----------------------------------------------------------------- helpers
     def _segments(self, grid: list[list[int]]) -> list[int]:
