@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.protocols import batch as B
+from torchtitan_omni.protocols.modules import OmniEncoder
 
 
 def _llm(model: nn.Module) -> nn.Module:
@@ -112,14 +113,13 @@ def encoder_items(media: dict[str, torch.Tensor], processing) -> list[int]:
 class _EncoderCost:
     """Training FLOPs of one encoder from its media (the generic estimate of the docstring)."""
 
-    def __init__(self, encoder: nn.Module) -> None:
+    def __init__(self, encoder: OmniEncoder) -> None:
         self.encoder = encoder
         # parameters weighted by the rows they run on per encoder token: 1 unless the encoder
         # lists the sub-module in ``flops_row_ratios`` (a merger on a quarter of the rows, a
         # stem on twice as many)
-        ratios: dict[str, float] = getattr(encoder, "flops_row_ratios", None) or {}
         weighted, counted = 0.0, set()
-        for name, ratio in ratios.items():
+        for name, ratio in encoder.flops_row_ratios.items():
             for p in encoder.get_submodule(name).parameters():
                 weighted += p.numel() * float(ratio)
                 counted.add(id(p))
@@ -137,8 +137,8 @@ class _EncoderCost:
         tokens = sum(items)
         # bidirectional within each item, or within the spans the encoder says it attends
         # over (a video's frames each on their own)
-        segments = getattr(self.encoder, "attention_segments", None)
-        spans = segments(media, modality) if callable(segments) else items
+        segments = self.encoder.attention_segments(media, modality)
+        spans = items if segments is None else segments
         pairs = sum(n * n for n in spans)
         return 6.0 * self.params * tokens + 3 * 4 * self.attention_width * pairs
 

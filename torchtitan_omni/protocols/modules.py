@@ -13,7 +13,9 @@ the framework changes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn as nn
@@ -98,6 +100,10 @@ class OmniEncoder(nn.Module, ABC):
     #: the omni model then encodes all of a batch's items in one pass (``output_rows`` splits
     #: the result), which halves the per-step kernel launches of a deep encoder
     merge_modalities: bool = False
+    #: sub-modules (names relative to the encoder) that run on another number of rows than its
+    #: blocks, with their rows per block row (a merger on a quarter, a strided stem's first
+    #: conv on twice as many): model FLOPs count them so (``torchtitan_omni.flops``)
+    flops_row_ratios: Mapping[str, float] = MappingProxyType({})
 
     def forward(self, media: dict[str, torch.Tensor], modality: str) -> torch.Tensor:
         return self.lm_encode(media, modality)
@@ -133,6 +139,13 @@ class OmniEncoder(nn.Module, ABC):
 
     def hf_adapter(self):
         """An ``HFAdapter`` mapping this part to its Hugging Face counterpart, or None."""
+        return None
+
+    def attention_segments(self, media: dict[str, torch.Tensor], modality: str
+                           ) -> list[int] | None:
+        """Rows of each sequence the encoder's attention runs within, or None: within each
+        whole item. Model FLOPs count attention by these (``torchtitan_omni.flops``)."""
+        del media, modality
         return None
 
 
