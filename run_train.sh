@@ -6,7 +6,8 @@
 # whole output to files under this folder; default: none), TRAIN_FILE (entry module;
 # default torchtitan_omni.train), TORCHTITAN_OMNI_DEVICE (auto|cuda|cpu; default auto: CUDA
 # when a GPU is visible, else CPU with gloo), CUDA_SCALE_LAUNCH_QUEUES (the CUDA driver's launch
-# queue size; default 4x, below). Extra --section.key value arguments pass through.
+# queue size; default 4x, below), TORCHTITAN_OMNI_PRECHECK (0: no config check before torchrun;
+# default 1). Extra --section.key value arguments pass through.
 set -eo pipefail
 
 for arg in "$@"; do
@@ -23,6 +24,8 @@ Launcher variables:
   TORCHTITAN_OMNI_DEVICE  auto | cuda | cpu; default auto (CUDA when a GPU is visible)
   CUDA_SCALE_LAUNCH_QUEUES  the CUDA driver's kernel launch queue size, a multiple such as
                           2x; default 4x (the host can run further ahead of the GPU)
+  TORCHTITAN_OMNI_PRECHECK  0 skips the config check before torchrun (the ranks still
+                          check it); default 1
 Outputs go under job.dump_folder: the log on the console, TensorBoard events in
 <dump_folder>/<metrics.save_tb_folder>, checkpoints in <dump_folder>/<checkpoint.folder>.
 Every key of the config (with its value under CONFIG_FILE) follows.
@@ -46,8 +49,12 @@ if [ "$TORCHTITAN_OMNI_DEVICE" = "cpu" ] || { [ "$TORCHTITAN_OMNI_DEVICE" = "aut
 fi
 
 # Check the config (keys, types, degrees vs. NGPU) once, with a one-line error, before
-# starting NGPU processes.
-WORLD_SIZE=$NGPU python3 -m torchtitan_omni.config.check --job.config_file "${CONFIG_FILE}" "$@"
+# starting NGPU processes. TORCHTITAN_OMNI_PRECHECK=0 skips this process (it imports TorchTitan:
+# seconds of start-up); every rank runs the same check, so a bad config still stops the job,
+# its line then shown by the ranks and torchrun's failure summary.
+if [ "${TORCHTITAN_OMNI_PRECHECK:-1}" != "0" ]; then
+  WORLD_SIZE=$NGPU python3 -m torchtitan_omni.config.check --job.config_file "${CONFIG_FILE}" "$@"
+fi
 
 LOG_DIR_ARGS=()
 if [ -n "${LOG_DIR:-}" ]; then

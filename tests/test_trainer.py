@@ -121,6 +121,20 @@ def test_misspelled_cli_key(tmp_path):
     assert "stpes" in line and "steps" in line
 
 
+def test_without_the_pre_check_the_ranks_refuse_and_name_the_key():
+    """``TORCHTITAN_OMNI_PRECHECK=0``: no check before torchrun, so every rank refuses the key
+    itself; the job still fails and torchrun's failure summary carries the one line (the
+    rank whose output is shown may be killed before it prints)."""
+    run = run_train(CONFIG, 2, "--training.stpes", "3")
+    assert run.returncode != 0
+    # torchrun's summary alone (run_train appends the other ranks' output after it)
+    start = run.output.index("Root Cause")
+    summary = run.output[start:run.output.index("=" * 20, start)]
+    assert ("torchtitan-omni: config error: unknown option --training.stpes: training has no "
+            "key 'stpes' (did you mean 'steps'?)") in summary, run.output[-3000:]
+    assert "Traceback" not in summary
+
+
 def test_misspelled_toml_key(tmp_path, check_here):
     bad = tmp_path / "bad.toml"
     bad.write_text((REPO / CONFIG).read_text().replace("seq_len = 32", "seq_lenn = 32"))

@@ -439,7 +439,9 @@ def main(argv: list[str] | None = None, trainer_cls: type[OmniTrainer] | None = 
     """Train (or write the seed checkpoint) with ``trainer_cls`` (default :class:`OmniTrainer`)
     on ``argv`` (default: the command line), then close the trainer and the process groups."""
     init_logger()
-    config = parse_job_config_or_exit(argv)
+    # the line reaches torchrun's summary too: without the launcher's pre-check
+    # (TORCHTITAN_OMNI_PRECHECK=0) a rank whose output is not shown may be the one to report it
+    config = parse_job_config_or_exit(argv, report=_record_for_launcher)
     trainer: OmniTrainer | None = None
     try:
         trainer = (trainer_cls or OmniTrainer)(config)

@@ -27,6 +27,7 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal, get_args, get_origin
 
 try:
@@ -285,11 +286,16 @@ def parse_job_config(args: list[str] | None = None) -> JobConfig:
     return OmniConfigManager().parse_args(args)
 
 
-def parse_job_config_or_exit(args: list[str] | None = None) -> JobConfig:
-    """:func:`parse_job_config` for entry points: a ``ConfigError`` is printed on one line and
-    the process exits with status 2."""
+def parse_job_config_or_exit(args: list[str] | None = None,
+                             report: Callable[[str], None] | None = None) -> JobConfig:
+    """:func:`parse_job_config` for entry points: a ``ConfigError`` is printed on one line (and
+    handed to ``report``, e.g. for the launcher's failure summary) and the process exits with
+    status 2."""
     try:
         return parse_job_config(args)
     except ConfigError as e:
-        print(f"torchtitan-omni: config error: {e}", file=sys.stderr)
+        line = f"torchtitan-omni: config error: {e}"
+        print(line, file=sys.stderr)
+        if report is not None:
+            report(line)
         sys.exit(2)
