@@ -52,7 +52,12 @@ fi
 # starting NGPU processes. TORCHTITAN_OMNI_PRECHECK=0 skips this process (it imports TorchTitan:
 # seconds of start-up); every rank runs the same check, so a bad config still stops the job,
 # its line then shown by the ranks and torchrun's failure summary.
-if [ "${TORCHTITAN_OMNI_PRECHECK:-1}" != "0" ]; then
+case "${TORCHTITAN_OMNI_PRECHECK:-1}" in
+  0|1) ;;
+  *) echo "run_train.sh: TORCHTITAN_OMNI_PRECHECK=${TORCHTITAN_OMNI_PRECHECK} is not 0 or 1" >&2
+     exit 2 ;;
+esac
+if [ "${TORCHTITAN_OMNI_PRECHECK:-1}" = "1" ]; then
   WORLD_SIZE=$NGPU python3 -m torchtitan_omni.config.check --job.config_file "${CONFIG_FILE}" "$@"
 fi
 

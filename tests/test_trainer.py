@@ -135,6 +135,14 @@ def test_without_the_pre_check_the_ranks_refuse_and_name_the_key():
     assert "Traceback" not in summary
 
 
+def test_pre_check_switch_other_than_0_or_1_is_refused():
+    proc = subprocess.run(["bash", "run_train.sh"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "CONFIG_FILE": CONFIG,
+                               "TORCHTITAN_OMNI_PRECHECK": "false"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "run_train.sh: TORCHTITAN_OMNI_PRECHECK=false is not 0 or 1"
+
+
 def test_misspelled_toml_key(tmp_path, check_here):
     bad = tmp_path / "bad.toml"
     bad.write_text((REPO / CONFIG).read_text().replace("seq_len = 32", "seq_lenn = 32"))
