@@ -362,11 +362,14 @@ def omni_2gpu() -> list[Point]:
                for p in (realistic, long_text)
                for tag, flags in (("reshard_never", RESHARD_NEVER),
                                   ("reshard_always", RESHARD_ALWAYS))]
-    # ... with per-op encoder AC too (each 1.08x and 1.04x alone, twentieth session), and with
-    # the audio tower unchecked (no compile stalls, nineteenth session)
+    # ... with per-op encoder AC too (each 1.08x and 1.04x alone, twentieth session), with
+    # the audio tower unchecked (no compile stalls, nineteenth session), and with the items
+    # balanced over the ranks by their FLOPs across the forward's passes (the metadata agreed
+    # on the hosts through gloo: before, an NCCL round trip drained the GPU's queue each pass)
     float8 += [dataclasses.replace(realistic, name=f"{realistic.name}_reshard_never_{tag}",
                                    args=realistic.args + RESHARD_NEVER + flags)
-               for tag, flags in (("encoder_ac_op", OP_ENCODER_AC), ("ac_min8k", AC_MIN_8K))]
+               for tag, flags in (("encoder_ac_op", OP_ENCODER_AC), ("ac_min8k", AC_MIN_8K),
+                                  ("balance", BALANCE))]
     return eager + [long] + [compiled(p) for p in eager] + longer + float8
 
 

@@ -32,6 +32,7 @@ import math
 import torch
 import torch.nn as nn
 
+from torchtitan_omni.distributed.encoder_sp import item_rows, slice_items
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.protocols import batch as B
 from torchtitan_omni.protocols.modules import OmniEncoder
@@ -110,8 +111,10 @@ def encoder_items(media: dict[str, torch.Tensor], processing) -> list[int]:
     return []
 
 
-class _EncoderCost:
-    """Training FLOPs of one encoder from its media (the generic estimate of the docstring)."""
+class EncoderCost:
+    """Training FLOPs of one encoder from its media (the generic estimate of the docstring):
+    of a pass (``cost(media, modality)``) or of each item alone (:meth:`items`, what balancing
+    the encoders' items over ranks weighs them by)."""
 
     def __init__(self, encoder: OmniEncoder) -> None:
         self.encoder = encoder
@@ -142,6 +145,12 @@ class _EncoderCost:
         pairs = sum(n * n for n in spans)
         return 6.0 * self.params * tokens + 3 * 4 * self.attention_width * pairs
 
+    def items(self, media: dict[str, torch.Tensor], modality: str) -> list[float]:
+        """The FLOPs of each item of ``media`` encoded alone (integer tensors on the host:
+        ``encoder_sp.slice_items`` reads them)."""
+        rows = item_rows(media)
+        return [self(slice_items(media, i, i + 1, rows), modality) for i in range(len(rows))]
+
 
 class FlopCounter:
     """Training FLOPs of real packed micro-batches for the whole omni model (see docstring)."""
@@ -152,9 +161,9 @@ class FlopCounter:
         output = getattr(llm, "output", None)
         self.head_params = _numel(output.parameters()) if output is not None else 0
         self.body_params = active_llm_params(model) - self.head_params
-        self.encoders: dict[str, _EncoderCost] = {}
+        self.encoders: dict[str, EncoderCost] = {}
         for enc in getattr(model, "encoders", {}).values():
-            cost = _EncoderCost(enc)
+            cost = EncoderCost(enc)
             for modality in enc.modalities:
                 self.encoders[modality] = cost
         self.decoders: dict[str, float] = {}

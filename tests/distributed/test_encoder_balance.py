@@ -37,6 +37,16 @@ def test_assignment_is_deterministic_and_keeps_balanced_items_home():
     assert assign_items([[], []]) == [[], []]
 
 
+def test_assignment_starts_from_the_forwards_earlier_loads():
+    """A pass balances on top of the work earlier passes gave each rank: rank 0, already the
+    busiest, hands its largest item to rank 1, where alone the items would all stay home."""
+    costs = [[5.0, 3.0], [4.0, 4.0]]
+    assert assign_items(costs) == [[0, 0], [1, 1]]
+    dest = assign_items(costs, start=[10.0, 0.0])
+    assert dest == [[1, 0], [1, 1]]
+    assert loads(costs, dest, start=[10.0, 0.0]) == [13.0, 13.0]
+
+
 def test_zoo_encoders_announce_their_output_rows():
     """The owner of an item must know its embedding rows before it is encoded elsewhere."""
     from tests.encoders import test_audio, test_siglip
@@ -94,20 +104,31 @@ def _toy_media(rank, sizes):
 # rank -> items (h, w); one rank with none, one with most of the work
 ITEMS = {2: [[(4, 5), (3, 3), (6, 4), (1, 2)], []],
          3: [[(6, 6), (5, 4), (4, 4), (3, 2), (2, 2)], [(1, 3)], []]}
+#: a second pass in the same forward: balanced alone, its items would stay home; on top of the
+#: first pass's loads they move
+ITEMS_B = {2: [[(2, 2)], [(3, 2)]], 3: [[(2, 2)], [(3, 2)], [(1, 1)]]}
 
 
-def _boundary(rank, world):
+def _rows(sizes) -> list[float]:
+    return [float(a * b) for a, b in sizes]
+
+
+def _boundary_pass(rank, world, items, ledger):
+    """One balanced pass of the toy encoder (costs: patches) against this rank's items encoded
+    locally: errors of the output and of the input and parameter gradients."""
     import torch.distributed as dist
 
     from torchtitan_omni.distributed.boundary import balanced_encode
 
     w1, w2 = _toy_params()
-    media = _toy_media(rank, ITEMS[world][rank])
+    media = _toy_media(rank, items[world][rank])
     out_rows = media["grid_thw"].prod(-1).tolist()
     dummy = {"patches": torch.zeros(1, P, dtype=torch.float64),
              "grid_thw": torch.ones(1, 3, dtype=torch.long)}
-    out, stats = balanced_encode(media, lambda m: _toy_encode(m, w1, w2), out_rows,
-                                 lambda: _toy_encode(dummy, w1, w2)[:0], dist.group.WORLD)
+    out, stats = balanced_encode(media, lambda m: _toy_encode(m, w1, w2),
+                                 _rows(items[world][rank]), out_rows,
+                                 lambda: _toy_encode(dummy, w1, w2)[:0], dist.group.WORLD,
+                                 ledger=ledger)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + rank),
                          dtype=torch.float64)
     (out * weight).sum().backward()
@@ -118,7 +139,7 @@ def _boundary(rank, world):
 
     # reference: this rank's items encoded locally, one process
     r1, r2 = _toy_params()
-    ref_media = _toy_media(rank, ITEMS[world][rank])
+    ref_media = _toy_media(rank, items[world][rank])
     ref_out = _toy_encode(ref_media, r1, r2)
     (ref_out * weight).sum().backward()
     ref_gw = [w.grad.clone() for w in (r1, r2)]
@@ -129,18 +150,41 @@ def _boundary(rank, world):
             "input_grad": (media["patches"].grad - ref_media["patches"].grad).abs().max().item()
             if out.numel() else 0.0,
             "param_grad": max((a - b).abs().max().item() for a, b in zip(gw, ref_gw)),
-            "stats": stats}
+            "stats": stats, "loads": list(ledger.loads)}
+
+
+def _boundary(rank, world):
+    from torchtitan_omni.distributed.boundary import BalanceLedger
+
+    ledger = BalanceLedger()
+    return [_boundary_pass(rank, world, items, ledger) for items in (ITEMS, ITEMS_B)]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_boundary_forward_and_adjoint_match_local_encoding(world):
+    """Two passes of one forward through the boundary communicator: outputs and gradients
+    equal local encoding; the second pass starts from the first pass's loads (the ledger)."""
     results = run_distributed(_boundary, world, timeout=180)
-    for rank, res in enumerate(results):
-        assert res["rows"][0] == res["rows"][1], (rank, res)
-        assert res["out"] < 1e-12 and res["input_grad"] < 1e-12, (rank, res)
-        assert res["param_grad"] < 1e-12, (rank, res)
-    before, after = results[0]["stats"]
-    assert after < before, results[0]["stats"]
+    for rank, passes in enumerate(results):
+        for res in passes:
+            assert res["rows"][0] == res["rows"][1], (rank, res)
+            assert res["out"] < 1e-12 and res["input_grad"] < 1e-12, (rank, res)
+            assert res["param_grad"] < 1e-12, (rank, res)
+    first, second = results[0]
+    before, after = first["stats"]
+    assert after < before, first["stats"]
+    # the ledger after each pass: the loads every rank computes from the published costs
+    costs_a = [_rows(sizes) for sizes in ITEMS[world]]
+    loads_a = loads(costs_a, assign_items(costs_a))
+    costs_b = [_rows(sizes) for sizes in ITEMS_B[world]]
+    loads_b = loads(costs_b, assign_items(costs_b, loads_a), loads_a)
+    assert all(p[0]["loads"] == loads_a and p[1]["loads"] == loads_b for p in results), results
+    # balanced alone, the second pass would leave its items home and the forward's work less
+    # even than with the first pass's loads carried
+    assert assign_items(costs_b) == [[r] * len(c) for r, c in enumerate(costs_b)]
+    alone = loads(costs_b, None, loads_a)
+    assert imbalance(loads_b) < imbalance(alone), (loads_b, alone)
+    assert second["stats"] == (pytest.approx(imbalance(alone)), pytest.approx(imbalance(loads_b)))
 
 
 # ----------------------------------------------------------------- tiny omni model

@@ -179,7 +179,7 @@ def test_media_flops_count_encoders_and_decoders():
 def _measured_and_estimated(encoder, media: dict, modality: str, key: str) -> tuple[int, float]:
     """FlopCounterMode's count of the encoder's forward + backward (its input requiring grad,
     so a stem's input gradient counts as everywhere else) and the FLOP counter's estimate."""
-    from torchtitan_omni.flops import _EncoderCost
+    from torchtitan_omni.flops import EncoderCost
 
     torch.manual_seed(0)
     for p in encoder.parameters():
@@ -187,7 +187,7 @@ def _measured_and_estimated(encoder, media: dict, modality: str, key: str) -> tu
     media[key].requires_grad_(True)
     with FlopCounterMode(display=False) as fc:
         encoder.lm_encode(media, modality).sum().backward()
-    return fc.get_total_flops(), _EncoderCost(encoder)(media, modality)
+    return fc.get_total_flops(), EncoderCost(encoder)(media, modality)
 
 
 def test_vision_flops_count_the_merger_on_merged_rows_and_attention_per_frame():
@@ -219,3 +219,28 @@ def test_audio_flops_count_the_stem_on_every_frame_and_the_projector_on_pooled_p
     media = {"features": torch.randn(2, 80, 512), "lengths": torch.tensor([512, 512])}
     measured, estimated = _measured_and_estimated(encoder, media, "audio", "features")
     assert estimated == pytest.approx(measured, rel=0.02)
+
+
+def test_per_item_costs_are_each_items_measured_flops():
+    """What balancing weighs items by (``EncoderCost.items``): each item's FLOPs encoded alone,
+    matching FlopCounterMode per item (a video of two temporal patches attends within each, so
+    it costs less than an image of as many patches), and summing to the pass's estimate."""
+    from torchtitan_omni.encoders.vision import VisionArgs, VisionEncoder, patchify
+    from torchtitan_omni.flops import EncoderCost
+
+    args = VisionArgs.debug()
+    encoder = VisionEncoder(args, D)
+    sizes = (args.patch_size, args.merge_size, args.temporal_patch_size)
+    video, video_grid = patchify(torch.randn(4, 3, 64, 64), *sizes)
+    image, image_grid = patchify(torch.randn(1, 3, 64, 128), *sizes)
+    assert video.shape[0] == image.shape[0] and video_grid[0] == 2
+    media = {"patches": torch.cat([video, image]),
+             "grid_thw": torch.tensor([video_grid, image_grid])}
+    cost = EncoderCost(encoder)
+    per_item = cost.items(media, "video")
+    assert sum(per_item) == pytest.approx(cost(media, "video"), rel=1e-12)
+    assert per_item[0] < per_item[1]
+    for i, (patches, grid) in enumerate(((video, video_grid), (image, image_grid))):
+        one = {"patches": patches.clone(), "grid_thw": torch.tensor([grid])}
+        measured, _ = _measured_and_estimated(encoder, one, "video", "patches")
+        assert per_item[i] == pytest.approx(measured, rel=0.02), i

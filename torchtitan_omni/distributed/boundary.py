@@ -4,12 +4,17 @@ Data-parallel ranks hold different batches, so a rank with many large images wou
 them alone while the others wait for it at the encoders' FSDP collectives.
 :func:`balanced_encode` spreads the items of every rank of a group over the group:
 
-1. every rank publishes its items' costs (:func:`item_costs`), the rows each item owns in
-   every media tensor (``encoder_sp.key_rows``) and the embedding rows it will get back
-   (one small ``all_gather_object``, a host sync);
-2. every rank computes the same assignment (:func:`assign_items`);
-3. each item's input rows travel to their encoding rank (one uneven all-to-all per media
-   tensor, ``comm.all_to_all_v``), which encodes what it received in one call;
+1. every rank publishes its items' costs (their model FLOPs, ``flops.EncoderCost.items``),
+   the rows each item owns in every media tensor (``encoder_sp.key_rows``), the embedding
+   rows it will get back and its host tensors of item sizes (one small ``all_gather_object``
+   over a gloo group: the hosts agree without waiting for their GPUs);
+2. every rank computes the same assignment (:func:`assign_items`), on top of the work the
+   forward's earlier balanced passes gave each rank (:class:`BalanceLedger`): the ranks wait
+   for each other at the model's collectives, so what counts is each rank's encoder work over
+   the whole forward, across modalities;
+3. each item's device rows travel to their encoding rank (one uneven all-to-all per media
+   tensor, ``comm.all_to_all_v``; item sizes are rebuilt from the published metadata), which
+   encodes what it received in one call;
 4. each item's embedding rows travel back to their owner (one uneven all-to-all) and are put
    back in the owner's item order.
 
@@ -38,27 +43,11 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_v, gather_rows
 from torchtitan_omni.distributed.encoder_sp import item_rows, key_rows, slice_items, split_bounds
+from torchtitan_omni.distributed.utils import host_group
+from torchtitan_omni.flops import EncoderCost
+from torchtitan_omni.modules.host import to_device
 from torchtitan_omni.modules.wrapping import extend_class
 from torchtitan_omni.protocols.modules import OmniEncoder
-
-#: item rows at which the attention term of the cost equals the linear one. Per row, a block
-#: costs ~24 d^2 FLOPs in its linears and ~4 d n in attention over an n-row item: equal at
-#: n = 6 d, i.e. ~8K rows for a ViT ~1.3K wide. A rough constant: only ratios matter.
-ATTENTION_ROWS = 8192
-
-
-def cost_rows(media: dict[str, torch.Tensor]) -> list[int]:
-    """Rows each item feeds the encoder: its patches (``grid_thw``), its frames (``lengths``,
-    audio) or 1 (fixed-size items)."""
-    lengths = media.get("lengths")
-    if media.get("grid_thw") is None and lengths is not None:
-        return [int(x) for x in lengths.tolist()]
-    return item_rows(media)
-
-
-def item_costs(media: dict[str, torch.Tensor]) -> list[float]:
-    """Encoder cost of each item: ``rows + rows**2 / ATTENTION_ROWS`` (linears + attention)."""
-    return [r + r * r / ATTENTION_ROWS for r in cost_rows(media)]
 
 
 def host_index(media: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -67,8 +56,9 @@ def host_index(media: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v if v.is_floating_point() else v.cpu() for k, v in media.items()}
 
 
-def assign_items(costs: list[list[float]]) -> list[list[int]]:
+def assign_items(costs: list[list[float]], start: list[float] | None = None) -> list[list[int]]:
     """Encoding rank of every item: ``costs[r][i]`` is item i of rank r; returns ``dest[r][i]``.
+    ``start``: each rank's load before these items (zero when None).
 
     Greedy longest-processing-time: items by decreasing cost (ties: owner rank, then index),
     each to the least-loaded rank (ties: lowest rank). An item stays on its owner when that
@@ -76,7 +66,7 @@ def assign_items(costs: list[list[float]]) -> list[list[int]]:
     move nothing. Deterministic: every rank computes the same answer from the same costs.
     """
     world = len(costs)
-    load = [0.0] * world
+    load = [0.0] * world if start is None else [float(x) for x in start]
     dest = [[-1] * len(c) for c in costs]
     order = sorted(((c, r, i) for r, cs in enumerate(costs) for i, c in enumerate(cs)),
                    key=lambda x: (-x[0], x[1], x[2]))
@@ -89,9 +79,11 @@ def assign_items(costs: list[list[float]]) -> list[list[int]]:
     return dest
 
 
-def loads(costs: list[list[float]], dest: list[list[int]] | None = None) -> list[float]:
-    """Per-rank cost: of its own items (``dest`` None), or of the items it encodes."""
-    out = [0.0] * len(costs)
+def loads(costs: list[list[float]], dest: list[list[int]] | None = None,
+          start: list[float] | None = None) -> list[float]:
+    """Per-rank cost: of its own items (``dest`` None), or of the items it encodes; on top of
+    ``start`` (each rank's load before these items) when given."""
+    out = [0.0] * len(costs) if start is None else [float(x) for x in start]
     for r, cs in enumerate(costs):
         for i, c in enumerate(cs):
             out[r if dest is None else dest[r][i]] += c
@@ -112,59 +104,110 @@ def pad_tail(t: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
     return F.pad(t, pad) if any(pad) else t
 
 
+class BalanceLedger:
+    """Each rank's encoder work so far in one forward, in model FLOPs, shared by the balanced
+    encoders of a model: a pass balances its items on top of what the earlier passes gave
+    each rank (every rank computes the same loads from the same published costs). Reset at
+    the start of each forward (``apply_encoder_modes`` hooks the model)."""
+
+    def __init__(self) -> None:
+        self.loads: list[float] | None = None
+
+    def reset(self, *_: Any) -> None:
+        """Forget the loads (a forward pre-hook: it ignores the hook's arguments)."""
+        self.loads = None
+
+
+def _host_sizes(media: dict[str, torch.Tensor]) -> list[str]:
+    """Keys of ``media`` whose tensors are item sizes on the host (``grid_thw``, ``lengths``):
+    published with the metadata instead of exchanged (an exchange through the device would
+    make the host wait to read them back)."""
+    return sorted(k for k, t in media.items() if t.device.type == "cpu"
+                  and not t.is_floating_point())
+
+
+def _tied(rows: torch.Tensor, received: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``rows`` (a rank's zero-row output when it encodes nothing) with the received inputs
+    that carry gradients joined in at zero weight: their exchange's backward is a collective
+    that every rank must join, also a rank whose received tensors are empty."""
+    for t in received.values():
+        if t.requires_grad:
+            rows = rows + 0 * t.sum()
+    return rows
+
+
 def balanced_encode(
     media: dict[str, torch.Tensor],
     encode: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    costs: list[float],
     out_rows: list[int],
     empty: Callable[[], torch.Tensor],
     group: ProcessGroup,
     index: dict[str, torch.Tensor] | None = None,
+    ledger: BalanceLedger | None = None,
 ) -> tuple[torch.Tensor, tuple[float, float]]:
     """Encode the group's items on balanced ranks; return this rank's embedding rows in its
-    item order, and the imbalance (max/mean cost) before and after balancing.
+    item order, and the imbalance (max/mean of the ranks' encoder work in the forward so far,
+    this pass's items included) with the items left home and as assigned.
 
-    ``out_rows``: embedding rows of each of this rank's items. ``encode(media)``: the encoder
-    on the items this rank was assigned (keys as ``media``). ``empty()``: a zero-row output
-    that still involves every parameter (see the module docstring). Every rank of ``group``
-    must call this together (same keys; possibly no items). ``index``: :func:`host_index` of
-    ``media`` when the caller has it.
+    ``costs``: each of this rank's items' cost (any unit the group shares: model FLOPs).
+    ``out_rows``: embedding rows of each item. ``encode(media)``: the encoder on the items
+    this rank was assigned (keys as ``media``). ``empty()``: a zero-row output that still
+    involves every parameter (see the module docstring). Every rank of ``group`` must call
+    this together (same keys; possibly no items). ``index``: :func:`host_index` of ``media``
+    when the caller has it. ``ledger``: the work earlier passes of the forward gave each rank
+    (read, then updated with this pass's).
     """
     rank, world = dist.get_rank(group), group.size()
     index = host_index(media) if index is None else index
     spans = key_rows(index)
-    mine: dict[str, Any] = {"costs": item_costs(index), "spans": spans, "out": list(out_rows),
-            "tails": {k: tuple(t.shape[1:]) for k, t in media.items()}}
-    if len(mine["out"]) != len(mine["costs"]):
-        raise ValueError(f"balanced_encode: {len(out_rows)} output row counts for "
-                         f"{len(mine['costs'])} items")
+    on_host = _host_sizes(media)
+    mine: dict[str, Any] = {"costs": [float(c) for c in costs], "spans": spans,
+                            "out": list(out_rows),
+                            "tails": {k: tuple(t.shape[1:]) for k, t in media.items()},
+                            "host": {k: media[k] for k in on_host}}
+    if not len(mine["out"]) == len(mine["costs"]) == len(item_rows(index)):
+        raise ValueError(f"balanced_encode: {len(out_rows)} output row counts and "
+                         f"{len(costs)} costs for {len(item_rows(index))} items")
     meta: list[Any] = [None] * world
-    dist.all_gather_object(meta, mine, group=group)
+    dist.all_gather_object(meta, mine, group=host_group(group))
     keys = sorted(media)
     for r, m in enumerate(meta):
         if sorted(m["spans"]) != keys:  # every rank sees the same metadata: all raise together
             raise ValueError(f"balanced_encode: rank {r} has media {sorted(m['spans'])}, rank "
                              f"{rank} has {keys}")
-    costs = [m["costs"] for m in meta]
-    dest = assign_items(costs)
-    stats = (imbalance(loads(costs)), imbalance(loads(costs, dest)))
+    all_costs = [m["costs"] for m in meta]
+    carried = ledger.loads if ledger is not None and ledger.loads is not None else [0.0] * world
+    dest = assign_items(all_costs, carried)
+    assigned = loads(all_costs, dest, carried)
+    stats = (imbalance(loads(all_costs, None, carried)), imbalance(assigned))
+    if ledger is not None:
+        ledger.loads = assigned
 
     # 3. inputs to their encoding ranks, grouped by destination (stable: item order kept)
     order = sorted(range(len(dest[rank])), key=lambda i: dest[rank][i])
+    from_rank = [[i for i, e in enumerate(dest[s]) if e == rank] for s in range(world)]
     received = {}
     for key in keys:
         tail = tuple(max(m["tails"][key][d] for m in meta) for d in range(len(mine["tails"][key])))
+        if key in on_host:  # item sizes: this rank's items, by source rank, from the metadata
+            pieces = [pad_tail(meta[s]["host"][key], tail).split(meta[s]["spans"][key])
+                      for s in range(world)]
+            parts = [pieces[s][i] for s in range(world) for i in from_rank[s]]
+            received[key] = (torch.cat(parts) if parts
+                             else media[key].new_zeros((0, *tail)))
+            continue
         padded = pad_tail(media[key], tail)
-        pieces = padded.split(spans[key])
-        send = torch.cat([pieces[i] for i in order]) if order else padded[:0]
+        split = padded.split(spans[key])
+        send = torch.cat([split[i] for i in order]) if order else padded[:0]
         in_splits = [sum(spans[key][i] for i in order if dest[rank][i] == d) for d in range(world)]
         out_splits = [sum(n for n, e in zip(meta[s]["spans"][key], dest[s]) if e == rank)
                       for s in range(world)]
         received[key] = all_to_all_v(send, out_splits, in_splits, group)
 
     # encode what arrived (items ordered by source rank, then by the source's item order)
-    from_rank = [[i for i, e in enumerate(dest[s]) if e == rank] for s in range(world)]
     expected = sum(meta[s]["out"][i] for s in range(world) for i in from_rank[s])
-    rows = encode(received) if any(from_rank) else empty()
+    rows = encode(received) if any(from_rank) else _tied(empty(), received)
     if rows.shape[0] != expected:
         raise ValueError(f"balanced_encode: the encoder returned {rows.shape[0]} rows for items "
                          f"announced as {expected}")
@@ -179,18 +222,21 @@ def balanced_encode(
     for i in order:
         starts[i], acc = acc, acc + out_rows[i]
     rows_in_order = [starts[i] + j for i in range(len(order)) for j in range(out_rows[i])]
-    picks = torch.tensor(rows_in_order, dtype=torch.long, device=back.device)
-    return back.index_select(0, picks), stats
+    return back.index_select(0, to_device(rows_in_order, back.device, torch.long)), stats
 
 
 class BalancedMediaEncoder(nn.Module):
     """Mixin: the encoder's items are encoded over ``_omni_balance_group`` by
-    :func:`balanced_encode`. Under Ulysses (``_omni_sp_group``) the SP ranks hold the same
-    items: each owns a contiguous share (``encoder_sp.split_bounds``) and the shares' rows
-    are gathered on every SP rank afterwards, as in ``SplitMediaEncoder``."""
+    :func:`balanced_encode`, weighed by their model FLOPs, on top of the work the forward's
+    earlier balanced passes gave each rank (``_omni_balance_ledger``, shared by the model's
+    balanced encoders). Under Ulysses (``_omni_sp_group``) the SP ranks hold the same items:
+    each owns a contiguous share (``encoder_sp.split_bounds``) and the shares' rows are
+    gathered on every SP rank afterwards, as in ``SplitMediaEncoder``."""
 
     _omni_balance_group: ProcessGroup
     _omni_sp_group: ProcessGroup | None
+    _omni_balance_ledger: BalanceLedger | None = None
+    _omni_balance_cost: EncoderCost | None = None
     #: (before, after) imbalance of the last call, max/mean of per-rank cost
     _omni_balance_stats: tuple[float, float] | None = None
 
@@ -218,10 +264,14 @@ class BalancedMediaEncoder(nn.Module):
             # every parameter in the graph (zero gradients), no rows: FSDP's collectives match
             return base(cast(OmniEncoder, self).dummy_media(modality, device), modality)[:0]
 
-        encoded, stats = balanced_encode(media, lambda m: base(m, modality), out_rows, empty,
-                                         self._omni_balance_group, index)
+        if self._omni_balance_cost is None:
+            self._omni_balance_cost = EncoderCost(cast(OmniEncoder, self))
+        costs = self._omni_balance_cost.items(index, modality)
+        encoded, stats = balanced_encode(media, lambda m: base(m, modality), costs, out_rows,
+                                         empty, self._omni_balance_group, index,
+                                         self._omni_balance_ledger)
         self._omni_balance_stats = stats
-        logger.debug(f"{type(self).__name__} {modality}: encoder cost max/mean "
+        logger.debug(f"{type(self).__name__} {modality}: encoder work max/mean "
                      f"{stats[0]:.3f} -> {stats[1]:.3f} after balancing")
         return gather_rows(encoded, sizes, sp) if sp is not None else encoded
 
@@ -239,15 +289,17 @@ def balance_metrics(encoders: nn.ModuleDict | dict) -> dict[str, float]:
 
 
 def install_balanced_encoders(encoders: Mapping[str, nn.Module], group: ProcessGroup,
-                              sp_group: ProcessGroup | None = None) -> list[str]:
+                              sp_group: ProcessGroup | None = None,
+                              ledger: BalanceLedger | None = None) -> list[str]:
     """Make each encoder balance its items over ``group`` (``sp_group``: the Ulysses ranks,
-    which hold the same items); returns their names. Refuses an encoder without
-    ``output_rows`` (the owner must know each item's embedding rows)."""
+    which hold the same items; ``ledger``: shared by the encoders, reset by the caller at each
+    forward); returns their names. Refuses an encoder without ``output_rows`` (the owner must
+    know each item's embedding rows)."""
     for name, encoder in encoders.items():
         if getattr(type(encoder), "output_rows", None) is OmniEncoder.output_rows:
             raise ValueError(f"sequence_parallel = \"balance\" needs encoders with "
                              f"output_rows; {name} ({type(encoder).__name__}) has none")
     for encoder in encoders.values():
         extend_class(encoder, BalancedMediaEncoder, _omni_balance_group=group,
-                     _omni_sp_group=sp_group)
+                     _omni_sp_group=sp_group, _omni_balance_ledger=ledger)
     return list(encoders)

@@ -17,9 +17,9 @@ Collectives on the group, in the same order on every rank:
 
 1. one ``all_gather_object``: LLM ranks publish, per encoder pass (``OmniModel
    .encoder_passes``), their items' costs, rows, embedding rows and tensor shapes; encoder
-   ranks publish which encoders train. Every rank derives the same plan: each item goes to an
-   encoder rank by the cost model of ``boundary`` (``assign_items``, greedy
-   longest-processing-time over the encoder ranks);
+   ranks publish which encoders train. Every rank derives the same plan: each item, weighed
+   by its model FLOPs (``flops.EncoderCost.items``), goes to an encoder rank by
+   ``boundary.assign_items`` (greedy longest-processing-time over the encoder ranks);
 2. per pass with items somewhere and per media tensor, one uneven all-to-all (``comm
    .all_to_all_v_start``) from the LLM ranks to the encoder ranks (data: no gradient),
    launched asynchronously: the LLM ranks wait for it before step 3 (in the pipelined
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torchtitan_omni.distributed.boundary import assign_items, host_index, item_costs, pad_tail
+from torchtitan_omni.distributed.boundary import assign_items, host_index, pad_tail
 from torchtitan_omni.distributed.comm import (
     PendingRows,
     ProcessGroup,
@@ -56,6 +56,7 @@ from torchtitan_omni.distributed.comm import (
     all_to_all_v_start,
 )
 from torchtitan_omni.distributed.encoder_sp import item_rows, key_rows, slice_items
+from torchtitan_omni.flops import EncoderCost
 from torchtitan_omni.omni_model import pass_media
 from torchtitan_omni.protocols.modules import OmniEncoder
 
@@ -116,8 +117,9 @@ def _describe(encoder: OmniEncoder, modality: str, media: dict[str, torch.Tensor
     index = host_index(media)
     out = [encoder.output_rows(slice_items(index, i, i + 1), modality)
            for i in range(len(item_rows(index)))]
-    return {"modality": modality, "costs": item_costs(index), "spans": key_rows(index),
-            "out": out, "tails": {k: tuple(t.shape[1:]) for k, t in media.items()},
+    return {"modality": modality, "costs": EncoderCost(encoder).items(index, modality),
+            "spans": key_rows(index), "out": out,
+            "tails": {k: tuple(t.shape[1:]) for k, t in media.items()},
             "dtypes": {k: str(t.dtype).removeprefix("torch.") for k, t in media.items()}}
 
 

@@ -55,7 +55,7 @@ from torchtitan_omni.data.packing import BatchPlan
 from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
 from torchtitan_omni.distributed.activation_offload import offload_activations
 from torchtitan_omni.distributed.compile import compile_loss_heads, compile_units
-from torchtitan_omni.distributed.boundary import install_balanced_encoders
+from torchtitan_omni.distributed.boundary import BalanceLedger, install_balanced_encoders
 from torchtitan_omni.distributed.encoder_sp import install_split_encoders
 from torchtitan_omni.distributed.expert_parallel import apply_expert_parallel
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
@@ -329,8 +329,12 @@ def apply_encoder_modes(model: nn.Module, dims: OmniParallelDims,
     if chosen["balance"] and encoder_ranks > 1:
         # every rank encodes (pp = tp = 1): the balancing group is the flattened loss mesh
         sp_group = dims.get_mesh("sp").get_group() if dims.sp_enabled else None
+        # one ledger for the model's balanced encoders: each pass balances on top of the
+        # earlier passes of the same forward
+        ledger = BalanceLedger()
+        model.register_forward_pre_hook(ledger.reset)
         installed["balance"] = install_balanced_encoders(
-            chosen["balance"], dims.get_mesh("loss").get_group(), sp_group)
+            chosen["balance"], dims.get_mesh("loss").get_group(), sp_group, ledger)
         logger.info(f"Encoders balance media items over {encoder_ranks} ranks: "
                     f"{', '.join(installed['balance'])}")
     return installed

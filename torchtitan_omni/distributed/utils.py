@@ -31,27 +31,35 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh | None, op: str = "sum") -
 _HOST_GROUPS: dict[tuple[int, ...], ProcessGroup] = {}
 
 
+def host_group(group: ProcessGroup) -> ProcessGroup:
+    """A gloo group over ``group``'s ranks (``group`` itself when it is gloo already), for
+    exchanging host values without waiting for the device. Why: a collective over NCCL moves
+    device memory, and reading its result on the host waits for every kernel queued before
+    it; at the start of a step that empties the GPU's queue, so the launch-bound encoder phase
+    after it runs with the GPU idle. Every rank of ``group`` must call this together the
+    first time (it makes the group)."""
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _HOST_GROUPS:
+        # only these ranks take part in making the gloo group (rank sets: the LLM ranks
+        # agree among themselves while the encoder ranks serve); torch names such a group
+        # by its ranks, so one per rank set
+        _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo",
+                                             use_local_synchronization=True)
+    return _HOST_GROUPS[ranks]
+
+
 def all_reduce_on_host(tensor: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """The sum of a host tensor over ``mesh``'s ranks, as a new host tensor, exchanged through
-    gloo: the host never waits for the device. Why: an all-reduce of device values that the
-    host then reads (``.tolist()``) waits for every kernel queued before it, and at the start
-    of a step that empties the GPU's queue, so the launch-bound encoder phase after it runs
-    with the GPU idle; the per-step agreement (target counts, which modalities some rank
-    carries) is about host values anyway. Identity when ``mesh`` is None."""
+    gloo (:func:`host_group`): the per-step agreement (target counts, which modalities some
+    rank carries) is about host values, and the host never waits for the device. Identity
+    when ``mesh`` is None."""
     out = tensor.clone()
     if mesh is None:
         return out
-    group = (mesh if mesh.ndim == 1 else flatten_mesh(mesh)).get_group()
-    if "gloo" not in str(dist.get_backend(group)):  # NCCL moves device memory only
-        ranks = tuple(dist.get_process_group_ranks(group))
-        if ranks not in _HOST_GROUPS:
-            # only these ranks take part in making the gloo group (rank sets: the LLM ranks
-            # agree among themselves while the encoder ranks serve); torch names such a group
-            # by its ranks, so one per rank set
-            _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo",
-                                                 use_local_synchronization=True)
-        group = _HOST_GROUPS[ranks]
-    dist.all_reduce(out, group=group)
+    dist.all_reduce(out, group=host_group((mesh if mesh.ndim == 1 else flatten_mesh(mesh))
+                                          .get_group()))
     return out
 
 
