@@ -233,6 +233,8 @@ NO_AC = ("--activation_checkpoint.mode", "none")
 FLOAT8_ENCODERS = ("--omni.float8_encoders",)
 #: every encoder pass's media items spread over all ranks by estimated cost
 BALANCE = ("--parallelism.encoder_sequence_parallel", "balance")
+#: the encoders in the model's order (vision, then audio) instead of by increasing work
+MODEL_ORDER = ("--omni.encoder_order", "model")
 #: two micro-batches of one row per rank and step on 2 GPUs (gradient accumulation): the
 #: optimizer step and the step's edges once per two rows
 ACCUM2_2GPU = ("--training.global_batch_size", "4")
@@ -365,11 +367,12 @@ def omni_2gpu() -> list[Point]:
     # ... with per-op encoder AC too (each 1.08x and 1.04x alone, twentieth session), with
     # the audio tower unchecked (no compile stalls, nineteenth session), and with the items
     # balanced over the ranks by their FLOPs across the forward's passes (the metadata agreed
-    # on the hosts through gloo: before, an NCCL round trip drained the GPU's queue each pass)
+    # on the hosts through gloo: before, an NCCL round trip drained the GPU's queue each pass),
+    # and with the encoders in the model's order (the default runs the lightest first)
     float8 += [dataclasses.replace(realistic, name=f"{realistic.name}_reshard_never_{tag}",
                                    args=realistic.args + RESHARD_NEVER + flags)
                for tag, flags in (("encoder_ac_op", OP_ENCODER_AC), ("ac_min8k", AC_MIN_8K),
-                                  ("balance", BALANCE))]
+                                  ("balance", BALANCE), ("model_order", MODEL_ORDER))]
     return eager + [long] + [compiled(p) for p in eager] + longer + float8
 
 

@@ -184,13 +184,15 @@ class FlopCounter:
         attention = 3 * 4 * self.layers * self.heads * self.head_dim * causal_pairs(lengths)
         return 6 * self.body_params * tokens + 6 * self.head_params * head_tokens + attention
 
+    def encoder_work(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Encoder FLOPs of the media in ``batch``, per modality an encoder serves (0 for one
+        the batch lacks)."""
+        return {modality: cost(media, modality) if (media := B.media(batch, modality)) else 0.0
+                for modality, cost in self.encoders.items()}
+
     def media(self, batch: dict[str, torch.Tensor]) -> float:
         """Encoder and decoder FLOPs of the media in ``batch``."""
-        total = 0.0
-        for modality, cost in self.encoders.items():
-            media = B.media(batch, modality)
-            if media:
-                total += cost(media, modality)
+        total = sum(self.encoder_work(batch).values())
         for name, params in self.decoders.items():
             index = batch.get(B.embed_index_key(name))
             if index is not None:

@@ -13,7 +13,7 @@ encoder still gets correct (zero) gradient contributions from the rank without m
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -156,12 +156,29 @@ class OmniModel(ModelProtocol):
             )
         return counts
 
-    def encoder_passes(self, absent: Collection[str] = ()) -> list[tuple[str, tuple[str, ...]]]:
+    def encoder_order(self, work: Mapping[str, float]) -> tuple[str, ...]:
+        """The encoders by increasing work (``work``: per modality, e.g. FLOPs summed over the
+        ranks; ties keep the model's order). The lightest encoder runs first: its pass is the
+        most launch-bound, and at the step's start its launches overlap the previous step's
+        queued kernels, while the heaviest runs last, queueing work ahead of the LLM's
+        launches (and, reversed, first in the backward, right after the LLM's)."""
+        names = list(self.encoders)
+        load = {n: sum(float(w) for m, w in work.items() if self.encoder_of.get(m) == n)
+                for n in names}
+        return tuple(sorted(names, key=lambda n: (load[n], names.index(n))))
+
+    def encoder_passes(self, absent: Collection[str] = (), order: Sequence[str] = ()
+                       ) -> list[tuple[str, tuple[str, ...]]]:
         """The encoder calls ``embed`` makes, in order: ``(encoder name, modalities)``, one per
-        modality, or one for all of an encoder's modalities when it merges them. Non-colocated
+        modality, or one for all of an encoder's modalities when it merges them; the encoders
+        in the model's order, or in ``order`` (every encoder's name once). Non-colocated
         encoder ranks replay this order (``torchtitan_omni.distributed.noncolocated``)."""
+        if order and sorted(order) != sorted(self.encoders):
+            raise ValueError(f"encoder order {list(order)} does not name each of the model's "
+                             f"encoders {list(self.encoders)} once")
         passes = []
-        for enc_name, encoder in self.encoders.items():
+        for enc_name in order or self.encoders:
+            encoder = self.encoders[enc_name]
             modalities = tuple(
                 m for m, e in self.encoder_of.items() if e == enc_name and m not in absent
             )
@@ -171,10 +188,12 @@ class OmniModel(ModelProtocol):
 
     # ----------------------------------------------------------------- forward
     def embed(self, tokens: torch.Tensor, batch: dict[str, torch.Tensor],
-              absent: Collection[str] = ()) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Input embeddings with media scattered in, and the decoders' target ids."""
+              absent: Collection[str] = (), encoder_order: Sequence[str] = ()
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Input embeddings with media scattered in, and the decoders' target ids (the
+        encoders run in ``encoder_order``, see :meth:`encoder_passes`)."""
         h = self.llm.tok_embeddings(tokens)
-        for enc_name, group in self.encoder_passes(absent):
+        for enc_name, group in self.encoder_passes(absent, encoder_order):
             h = self._encode(h, self.encoders[enc_name], list(group), batch)
         targets: dict[str, torch.Tensor] = {}
         for name, decoder in self.decoders.items():
@@ -225,6 +244,7 @@ class OmniModel(ModelProtocol):
         label_groups: torch.Tensor | None = None,
         groups: Sequence[int] = (),
         labelled: torch.Tensor | None = None,
+        encoder_order: Sequence[str] = (),
         **batch: torch.Tensor,
     ) -> OmniOutput:
         """Summed losses of every head for one micro-batch (see module docstring).
@@ -235,10 +255,12 @@ class OmniModel(ModelProtocol):
         modality runs the dummy so that every rank runs every FSDP unit. ``labelled``: the flat
         indices of the labelled positions, found on the host
         (``components.inputs.model_inputs``); without it the text loss finds them on the
-        device, which makes the host wait for the forward to finish.
+        device, which makes the host wait for the forward to finish. ``encoder_order``: the
+        encoders' names in the order they run (the trainer's :meth:`encoder_order`, the same
+        on every rank); empty: the model's order.
         """
         batch = release_host(batch)  # item sizes the caller kept on the host (hold_on_host)
-        h, targets = self.embed(tokens, batch, absent)
+        h, targets = self.embed(tokens, batch, absent, encoder_order)
         hidden = self.llm(h, meta)
         out = OmniOutput()
         # labelled positions only, and no full-vocabulary logits kept (LinearHead)

@@ -136,6 +136,7 @@ class OmniTrainer(Trainer):
         self.rank_sets: RankSets | None = None
         self.encoder_client: EncoderClient | None = None
         self.encoder_server: EncoderServer | None = None
+        self._encoder_order_logged = False
         if isinstance(dims, RankSetDims):
             self._join_rank_set(dims)
         if self.encoder_server is None:
@@ -213,17 +214,18 @@ class OmniTrainer(Trainer):
     def forward_backward_step(
         self, *, inputs: ModelInputs,
         global_counts: dict[str, torch.Tensor], aux_contributions: int,
-        absent: frozenset[str] = frozenset(),
+        absent: frozenset[str] = frozenset(), encoder_order: tuple[str, ...] = (),
     ) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch (``inputs``: ``model_inputs``'s, on the
         device); returns each loss part (detached). ``absent``: modalities no rank has in
-        this micro-batch (their parts are skipped). Non-colocated encoders: the stubs take
-        the rows the exchange before it brought (``encoder_schedule``)."""
+        this micro-batch (their parts are skipped); ``encoder_order``: the order the encoders
+        run in (empty: the model's). Non-colocated encoders: the stubs take the rows the
+        exchange before it brought (``encoder_schedule``)."""
         model = self.model_parts[0]
         tokens, meta, labels, media, labelled = inputs
         with self.train_context(), self.maybe_enable_amp:
             out = model(tokens, meta, labels, absent=absent, labelled=labelled,
-                        **hold_on_host(media))
+                        encoder_order=encoder_order, **hold_on_host(media))
             loss, parts = self.loss_fn(out.losses, global_counts, out.aux_losses, aux_contributions)
         self.moe_counter.add(out.moe_counts)
         del out
@@ -244,6 +246,7 @@ class OmniTrainer(Trainer):
         local_counts: dict[str, torch.Tensor] = defaultdict(
             lambda: torch.zeros((), dtype=torch.long)
         )
+        encoder_work = []  # per micro-batch, the FLOPs of its media per encoded modality
         for _ in range(self.gradient_accumulation_steps):
             try:
                 batch, labels = next(data_iterator)
@@ -253,6 +256,7 @@ class OmniTrainer(Trainer):
             self.metrics_processor.flops_since_last_log += self.flop_counter.batch(
                 batch[B.CU_SEQLENS], dims.sp, batch=batch, labels=labels
             )
+            encoder_work.append(self.flop_counter.encoder_work(batch))
             batch, labels = shard_sequence(batch, labels, self.sp_rank, dims.sp)
             for name, count in model.count_targets(batch, labels).items():
                 local_counts[name] = local_counts[name] + count
@@ -265,15 +269,31 @@ class OmniTrainer(Trainer):
         loss_mesh = dims.get_optional_mesh("loss")
         names = list(local_counts)
         presence = torch.stack([model.media_present(b) for b, _ in microbatches])
-        local_vec = torch.cat([torch.stack([local_counts[n] for n in names]), presence.flatten()])
+        worked = list(encoder_work[0])
+        work = torch.tensor([[int(w[m]) for m in worked] for w in encoder_work],
+                            dtype=torch.long)  # FLOPs: integers, exact in int64
+        local_vec = torch.cat([torch.stack([local_counts[n] for n in names]), presence.flatten(),
+                               work.flatten()])
         global_vec = all_reduce_on_host(local_vec, loss_mesh)
         host_counts = dict(zip(names, global_vec[: len(names)]))
         global_counts = dict(zip(names, to_device(global_vec[: len(names)], self.device)))
-        present = global_vec[len(names):].view(presence.shape).tolist()
+        present = global_vec[len(names):len(names) + presence.numel()].view(presence.shape)
+        total_work = global_vec[len(names) + presence.numel():].view(work.shape).tolist()
         contributions = self.gradient_accumulation_steps * (loss_mesh.size() if loss_mesh else 1)
 
         absents = [frozenset(m for m, n in zip(model.modalities, flags) if n == 0)
-                   for flags in present]
+                   for flags in present.tolist()]
+        # the encoders' order per micro-batch, from the work summed over the ranks (the same
+        # on every rank); non-colocated encoders replay the model's order
+        by_work = (self.job_config.omni.encoder_order == "work"
+                   and self.encoder_client is None and self.encoder_server is None)
+        orders = [model.encoder_order(dict(zip(worked, w))) if by_work else ()
+                  for w in total_work]
+        if by_work and not self._encoder_order_logged and len(model.encoders) > 1:
+            self._encoder_order_logged = True
+            logger.info("Encoders run by increasing work of each micro-batch's media "
+                        f"(omni.encoder_order = \"work\"); step {self.step}: "
+                        f"{', '.join(orders[0])}")
         staged: dict[int, Any] = {}  # micro-batches on the device, from staging to their run
 
         def media(i: int) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
@@ -284,7 +304,8 @@ class OmniTrainer(Trainer):
         def run(i: int) -> dict[str, torch.Tensor]:
             inputs = staged.pop(i) if i in staged else model_inputs(*microbatches[i], self.device)
             return self.forward_backward_step(inputs=inputs, global_counts=global_counts,
-                                              aux_contributions=contributions, absent=absents[i])
+                                              aux_contributions=contributions, absent=absents[i],
+                                              encoder_order=orders[i])
 
         sums: dict[str, torch.Tensor] = {}
         for parts in run_micro_batches(self.encoder_client, len(microbatches),

@@ -266,17 +266,24 @@ BALANCE_RUN = ("--training.steps", "4", "--lr_scheduler.warmup_steps", "1",
 
 @pytest.mark.slow
 def test_llama_omni_balance_losses_match_default(tmp_path):
-    """Balanced encoders through the launcher on 2 processes against the replicated ones (the
-    default): items do move (some step's imbalance after balancing is below the one before),
-    and every step's named losses and gradient norm stay within 1e-5."""
+    """Balanced encoders through the launcher on 2 processes, the encoders run by increasing
+    work (the default ``omni.encoder_order``, which the log names), against the replicated
+    ones in the model's order: items do move (some step's imbalance after balancing is below
+    the one before), and every step's named losses and gradient norm stay within 1e-5."""
     from tests.distributed.test_noncolocated_trainer import DEBUG, _train
 
+    orders = {"replicate": "model", "balance": "work"}
     runs = {layout: _train(DEBUG, str(tmp_path / layout), 2,
-                           "--parallelism.encoder_sequence_parallel", layout, common=BALANCE_RUN)
-            for layout in ("replicate", "balance")}
+                           "--parallelism.encoder_sequence_parallel", layout,
+                           "--omni.encoder_order", order, common=BALANCE_RUN)
+            for layout, order in orders.items()}
     base, bal = runs["replicate"]["steps"], runs["balance"]["steps"]
     assert sorted(base) == sorted(bal) == [1, 2, 3, 4], (base, bal)
     assert "Encoders balance media items over 2 ranks" in runs["balance"]["run"].output
+    # the order of step 1 (the debug rows' speech clips cost more FLOPs than their images)
+    assert ('(omni.encoder_order = "work"); step 1: vision, audio'
+            in runs["balance"]["run"].output), runs["balance"]["run"].output[-3000:]
+    assert "omni.encoder_order" not in runs["replicate"]["run"].output
     moved = [(step, name) for step, record in bal.items()
              for name, before in record.get("balance", {}).items()
              if name.endswith("_before")
