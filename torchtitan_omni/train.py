@@ -284,9 +284,8 @@ class OmniTrainer(Trainer):
         absents = [frozenset(m for m, n in zip(model.modalities, flags) if n == 0)
                    for flags in present.tolist()]
         # the encoders' order per micro-batch, from the work summed over the ranks (the same
-        # on every rank); non-colocated encoders replay the model's order
-        by_work = (self.job_config.omni.encoder_order == "work"
-                   and self.encoder_client is None and self.encoder_server is None)
+        # on every rank; refused with non-colocated encoders, which replay the model's order)
+        by_work = self.job_config.omni.encoder_order == "work"
         orders = [model.encoder_order(dict(zip(worked, w))) if by_work else ()
                   for w in total_work]
         if by_work and not self._encoder_order_logged and len(model.encoders) > 1:

@@ -118,6 +118,7 @@ REFUSALS = [
     (NC, ("--model.converters", "float8"), "model.converters: model converters"),
     (NC, ("--training.enable_cpu_offload",), "training.enable_cpu_offload: CPU offload"),
     (NC, ("--omni.activation_offload",), "omni.activation_offload: activation offload"),
+    (NC, ("--omni.encoder_order", "work"), "omni.encoder_order: an encoder order by work"),
     # one encoder rank: the encoders are not FSDP-sharded, one unit or not
     (NC.replace("ranks = [0]\n", 'ranks = [0]\nfsdp_unit = "part"\n', 1), (),
      'parallelism.parts."encoders.vision".fsdp_unit = "part" cannot act: the encoders run on '

@@ -36,6 +36,8 @@ _UNSUPPORTED = (
     (lambda c: bool(c.model.converters), "model.converters", "model converters (float8)"),
     (lambda c: c.training.enable_cpu_offload, "training.enable_cpu_offload", "CPU offload"),
     (lambda c: c.omni.activation_offload, "omni.activation_offload", "activation offload"),
+    (lambda c: c.omni.encoder_order != "model", "omni.encoder_order",
+     "an encoder order by work (the encoder ranks replay the model's)"),
 )
 
 
