@@ -332,7 +332,9 @@ class OmniTrainer(Trainer):
             # the graphs every rank has compiled, summed: it grows whenever any rank compiles,
             # and one rank's compile stalls them all at the next collective (the most of any
             # rank stays put while a rank compiles what another already has)
-            local_sums.append(torch.tensor(float(compiled_graphs()), device=local_sums[0].device))
+            # (filled on the device: torch.tensor(x, device=...) copies from pageable host
+            # memory and makes the host wait for every queued kernel, the step's optimizer too)
+            local_sums.append(local_sums[0].new_full((), float(compiled_graphs())))
         # Each part is (local sum / global count): summing over ranks gives the global mean.
         global_sums = all_reduce(torch.stack(local_sums), loss_mesh)
         # Largest per-rank mean of the text loss (TorchTitan's global_max_loss)
