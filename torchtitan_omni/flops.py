@@ -32,9 +32,9 @@ import math
 import torch
 import torch.nn as nn
 
-from torchtitan_omni.distributed.encoder_sp import item_rows, slice_items
 from torchtitan_omni.modules.attention import SelfAttention
 from torchtitan_omni.protocols import batch as B
+from torchtitan_omni.protocols.media_items import item_rows, slice_items
 from torchtitan_omni.protocols.modules import OmniEncoder
 
 

@@ -5,7 +5,7 @@ them alone while the others wait for it at the encoders' FSDP collectives.
 :func:`balanced_encode` spreads the items of every rank of a group over the group:
 
 1. every rank publishes its items' costs (their model FLOPs, ``flops.EncoderCost.items``),
-   the rows each item owns in every media tensor (``encoder_sp.key_rows``), the embedding
+   the rows each item owns in every media tensor (``protocols.media_items.key_rows``), the embedding
    rows it will get back and its host tensors of item sizes (one small ``all_gather_object``
    over a gloo group: the hosts agree without waiting for their GPUs);
 2. every rank computes the same assignment (:func:`assign_items`), on top of the work the
@@ -42,11 +42,12 @@ import torch.nn.functional as F
 from torchtitan.tools.logging import logger
 
 from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_v, gather_rows
-from torchtitan_omni.distributed.encoder_sp import item_rows, key_rows, slice_items, split_bounds
+from torchtitan_omni.distributed.encoder_sp import split_bounds
 from torchtitan_omni.distributed.utils import host_group
 from torchtitan_omni.flops import EncoderCost
 from torchtitan_omni.modules.host import to_device
 from torchtitan_omni.modules.wrapping import extend_class
+from torchtitan_omni.protocols.media_items import item_rows, key_rows, slice_items
 from torchtitan_omni.protocols.modules import OmniEncoder
 
 

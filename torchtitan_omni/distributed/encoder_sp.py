@@ -14,10 +14,7 @@ sequence), hence the same media. Two ways keep the encoders correct:
   vision, SigLIP and Whisper-style encoders: per-item attention); a rank without items encodes
   the encoder's dummy item times zero so that FSDP's collectives still match.
 
-Items are recognised from the processing contract (``torchtitan_omni.protocols.processing``):
-with a ``grid_thw`` tensor, an item owns ``t*h*w`` rows of every tensor whose first dimension
-is the total patch count and one row of every tensor whose first dimension is the item count;
-otherwise every tensor's first dimension is the item count.
+Items are cut by the item contract of ``torchtitan_omni.protocols.media_items``.
 """
 
 from __future__ import annotations
@@ -30,15 +27,7 @@ import torch.nn as nn
 
 from torchtitan_omni.distributed.comm import ProcessGroup, gather_rows
 from torchtitan_omni.modules.wrapping import extend_class
-
-
-def item_rows(media: dict[str, torch.Tensor]) -> list[int]:
-    """Rows (patches) each media item owns; one per item without ``grid_thw``."""
-    grid = media.get("grid_thw")
-    if grid is not None:
-        return [int(x) for x in grid.prod(-1).tolist()]
-    first = next(iter(media.values()))
-    return [1] * first.shape[0]
+from torchtitan_omni.protocols.media_items import item_rows, slice_items
 
 
 def split_bounds(costs: list[int], parts: int) -> list[int]:
@@ -53,38 +42,6 @@ def split_bounds(costs: list[int], parts: int) -> list[int]:
         bounds.append(item)
     bounds.append(len(costs))
     return bounds
-
-
-def key_rows(media: dict[str, torch.Tensor], rows: list[int] | None = None) -> dict[str, list[int]]:
-    """Leading rows of every tensor that each item owns: one of a per-item tensor, the item's
-    patches of a per-patch tensor (see the module docstring). ``rows``: :func:`item_rows`."""
-    rows = item_rows(media) if rows is None else rows
-    n_items, n_rows = len(rows), sum(rows)
-    out = {}
-    for key, t in media.items():
-        if t.dim() == 0:
-            raise ValueError(f"media tensor {key!r} is a scalar; cannot split it between ranks")
-        if t.shape[0] == n_items:
-            out[key] = [1] * n_items
-        elif t.shape[0] == n_rows:
-            out[key] = list(rows)
-        else:
-            raise ValueError(
-                f"media tensor {key!r} has {t.shape[0]} rows, neither the {n_items} items nor "
-                f"their {n_rows} patches; cannot split it between ranks (use "
-                "sequence_parallel = \"replicate\" for this encoder)"
-            )
-    return out
-
-
-def slice_items(media: dict[str, torch.Tensor], start: int, end: int,
-                rows: list[int] | None = None) -> dict[str, torch.Tensor]:
-    """Items ``[start, end)`` of a modality's media (see the module docstring). ``rows``:
-    :func:`item_rows` when the caller has them (no second read of a device grid)."""
-    out = {}
-    for key, spans in key_rows(media, rows).items():
-        out[key] = media[key][sum(spans[:start]):sum(spans[:end])]
-    return out
 
 
 class SplitMediaEncoder(nn.Module):

@@ -55,9 +55,9 @@ from torchtitan_omni.distributed.comm import (
     all_to_all_v,
     all_to_all_v_start,
 )
-from torchtitan_omni.distributed.encoder_sp import item_rows, key_rows, slice_items
 from torchtitan_omni.flops import EncoderCost
 from torchtitan_omni.omni_model import pass_media
+from torchtitan_omni.protocols.media_items import item_rows, key_rows, slice_items
 from torchtitan_omni.protocols.modules import OmniEncoder
 
 
