@@ -246,7 +246,9 @@ class OmniTrainer(Trainer):
         local_counts: dict[str, torch.Tensor] = defaultdict(
             lambda: torch.zeros((), dtype=torch.long)
         )
-        encoder_work = []  # per micro-batch, the FLOPs of its media per encoded modality
+        # omni.encoder_order "work": per micro-batch, the FLOPs of its media per modality
+        by_work = self.job_config.omni.encoder_order == "work"
+        encoder_work: list[dict[str, float]] = []
         for _ in range(self.gradient_accumulation_steps):
             try:
                 batch, labels = next(data_iterator)
@@ -256,7 +258,7 @@ class OmniTrainer(Trainer):
             self.metrics_processor.flops_since_last_log += self.flop_counter.batch(
                 batch[B.CU_SEQLENS], dims.sp, batch=batch, labels=labels
             )
-            encoder_work.append(self.flop_counter.encoder_work(batch))
+            encoder_work.append(self.flop_counter.encoder_work(batch) if by_work else {})
             batch, labels = shard_sequence(batch, labels, self.sp_rank, dims.sp)
             for name, count in model.count_targets(batch, labels).items():
                 local_counts[name] = local_counts[name] + count
@@ -285,7 +287,6 @@ class OmniTrainer(Trainer):
                    for flags in present.tolist()]
         # the encoders' order per micro-batch, from the work summed over the ranks (the same
         # on every rank; refused with non-colocated encoders, which replay the model's order)
-        by_work = self.job_config.omni.encoder_order == "work"
         orders = [model.encoder_order(dict(zip(worked, w))) if by_work else ()
                   for w in total_work]
         if by_work and not self._encoder_order_logged and len(model.encoders) > 1:
