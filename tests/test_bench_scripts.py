@@ -430,7 +430,12 @@ def test_plans_and_the_compile_filters():
     bench = _script("bench_scaling")
     plan = bench.build_plans(llm_layers=8)["omni_1gpu"]
     assert {p.workload for p in plan} == {"text", "realistic", "toy"}
-    assert sum(p.stock for p in plan) == 2 and sum(p.compile for p in plan) == 4
+    # the four points eager and compiled, and the compiled realistic rows by the encoders' work
+    assert sum(p.stock for p in plan) == 2 and sum(p.compile for p in plan) == 5
+    work = plan[-1]
+    assert work.name == "omni_8B_8L_8k_realistic_compile_work_order" and work.compile
+    cmd = work.command()
+    assert cmd[cmd.index("--omni.encoder_order") + 1] == "work"
     for p in plan:
         assert p.ngpu == 1 and p.seq_len == 8192
         cmd = p.command()
@@ -446,7 +451,7 @@ def test_plans_and_the_compile_filters():
     assert realistic.dataset() == "data/realistic/llama_omni_8B_8k"
     assert "--workload realistic" in " ".join(realistic.build_command())
     assert [p.compile for p in bench.select(plan, "", True, False)] == [False] * 4
-    assert [p.compile for p in bench.select(plan, "", False, True)] == [True] * 4
+    assert [p.compile for p in bench.select(plan, "", False, True)] == [True] * 5
     assert [p.name for p in bench.select(plan, "omni_8B_8L_8k_toy", False, False)] == [
         "omni_8B_8L_8k_toy"]
     with pytest.raises(SystemExit, match="no point nope"):
