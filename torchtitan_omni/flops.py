@@ -147,7 +147,7 @@ class EncoderCost:
 
     def items(self, media: dict[str, torch.Tensor], modality: str) -> list[float]:
         """The FLOPs of each item of ``media`` encoded alone (integer tensors on the host:
-        ``encoder_sp.slice_items`` reads them)."""
+        ``protocols.media_items.slice_items`` reads them)."""
         rows = item_rows(media)
         return [self(slice_items(media, i, i + 1, rows), modality) for i in range(len(rows))]
 

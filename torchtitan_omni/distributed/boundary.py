@@ -237,7 +237,8 @@ class BalancedMediaEncoder(nn.Module):
     _omni_balance_group: ProcessGroup
     _omni_sp_group: ProcessGroup | None
     _omni_balance_ledger: BalanceLedger | None = None
-    _omni_balance_cost: EncoderCost | None = None
+    #: the encoder's FLOP model, what its items are weighed by
+    _omni_balance_cost: EncoderCost
     #: (before, after) imbalance of the last call, max/mean of per-rank cost
     _omni_balance_stats: tuple[float, float] | None = None
 
@@ -265,8 +266,6 @@ class BalancedMediaEncoder(nn.Module):
             # every parameter in the graph (zero gradients), no rows: FSDP's collectives match
             return base(cast(OmniEncoder, self).dummy_media(modality, device), modality)[:0]
 
-        if self._omni_balance_cost is None:
-            self._omni_balance_cost = EncoderCost(cast(OmniEncoder, self))
         costs = self._omni_balance_cost.items(index, modality)
         encoded, stats = balanced_encode(media, lambda m: base(m, modality), costs, out_rows,
                                          empty, self._omni_balance_group, index,
@@ -302,5 +301,6 @@ def install_balanced_encoders(encoders: Mapping[str, nn.Module], group: ProcessG
                              f"output_rows; {name} ({type(encoder).__name__}) has none")
     for encoder in encoders.values():
         extend_class(encoder, BalancedMediaEncoder, _omni_balance_group=group,
-                     _omni_sp_group=sp_group, _omni_balance_ledger=ledger)
+                     _omni_sp_group=sp_group, _omni_balance_ledger=ledger,
+                     _omni_balance_cost=EncoderCost(cast(OmniEncoder, encoder)))
     return list(encoders)

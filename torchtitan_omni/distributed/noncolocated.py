@@ -112,12 +112,13 @@ class _Pass:
         return sum(n for n, d in zip(sizes, self.dest[s]) if d == e)
 
 
-def _describe(encoder: OmniEncoder, modality: str, media: dict[str, torch.Tensor]) -> dict:
+def _describe(encoder: OmniEncoder, cost: EncoderCost, modality: str,
+              media: dict[str, torch.Tensor]) -> dict:
     """What an LLM rank publishes about one pass's items (host integers only)."""
     index = host_index(media)
     out = [encoder.output_rows(slice_items(index, i, i + 1), modality)
            for i in range(len(item_rows(index)))]
-    return {"modality": modality, "costs": EncoderCost(encoder).items(index, modality),
+    return {"modality": modality, "costs": cost.items(index, modality),
             "spans": key_rows(index), "out": out,
             "tails": {k: tuple(t.shape[1:]) for k, t in media.items()},
             "dtypes": {k: str(t.dtype).removeprefix("torch.") for k, t in media.items()}}
@@ -357,6 +358,9 @@ class EncoderClient:
         self.model: Any = model  # an OmniModel (or FSDP's subclass of it)
         encoders = cast(nn.ModuleDict, model.encoders)
         self.specs = {name: cast(OmniEncoder, enc) for name, enc in encoders.items()}
+        #: each encoder's FLOP model, what its items are weighed by (built once: it walks
+        #: the encoder's parameters)
+        self.costs = {name: EncoderCost(spec) for name, spec in self.specs.items()}
         self._pending: dict[str, deque[torch.Tensor]] = {}
         self._sent: deque[_Sent] = deque()  # sent, rows not yet received (oldest first)
         self.last_trainable_exchange = False  # whether the last exchange has a backward
@@ -373,7 +377,7 @@ class EncoderClient:
         :meth:`receive` (after the rows of the micro-batches sent before it)."""
         passes = self.model.encoder_passes(absent)
         local = [pass_media(batch, self.specs[name], mods) for name, mods in passes]
-        items = [_describe(self.specs[name], *got) if got is not None else None
+        items = [_describe(self.specs[name], self.costs[name], *got) if got is not None else None
                  for (name, _), got in zip(passes, local)]
         weight = cast(torch.Tensor, self.model.llm.tok_embeddings.weight)
         width, dtype, device = weight.shape[-1], weight.dtype, weight.device
