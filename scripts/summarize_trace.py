@@ -3,7 +3,8 @@
 Prints the step's wall time, the GPU kernel time (and so how idle the GPU was), the kernel
 time by kind (matrix products, attention, communication, the rest), the top kernels, the
 longest idle gaps, the host syncs (CUDA ``*Synchronize`` calls, by the host op that made
-them: a sync per MoE layer, say, shows as one op's count equal to the layer count), the
+them: a sync per MoE layer, say, shows as one op's count equal to the layer count; and the
+kernels the driver loaded on their first launch, which can hold the host too), the
 host's compiling (frames compiled, kernels autotuned at their first launch) and the
 GPU timeline by part of the model (the LLM, each encoder, the optimizer; forward and backward):
 how long each held the GPU, how much of that it computed and how long the GPU sat idle
@@ -162,6 +163,29 @@ def host_syncs(events: list[dict], start: float, stop: float) -> list[str]:
             memory[e["name"]][1] += e.get("dur", 0.0)
     out += [f"  {int(n):9d}x  {name} ({dur / 1e3:.1f} ms on the host)"
             for name, (n, dur) in sorted(memory.items(), key=lambda kv: -kv[1][1])]
+    return out + lazy_loads(events, ops, start, stop)
+
+
+def lazy_loads(events: list[dict], ops: list[dict], start: float, stop: float) -> list[str]:
+    """The kernels the CUDA driver loaded on their first launch (CUPTI's "Lazy Function
+    Loading"), each with the torch op that launched it and that op's host time. A load can hold
+    the host like a sync that no Synchronize call shows: a GEMM of a shape not seen before (an
+    encoder's row count changes every step) can pick a cuBLAS kernel not yet loaded. In the
+    twenty-third session's trace one ``aten::mm`` of the audio tower's backward held the host
+    194 ms, until every kernel queued before it had run, and its load came at that moment."""
+    loads = [e for e in events if e.get("cat") == "overhead" and "Lazy" in str(e.get("name"))
+             and start <= e["ts"] <= stop]
+    if not loads:
+        return []
+    out = [f"  kernels loaded at their first launch in the GPU window: {len(loads)} (a load "
+           "can hold the host until the queued kernels have run); the op that launched each, "
+           "and its host time:"]
+    for load in sorted(loads, key=lambda e: e["ts"]):
+        around = [e for e in ops if e["ts"] <= load["ts"] <= e["ts"] + e["dur"]]
+        op = max(around, key=lambda e: e["ts"]) if around else None
+        out.append(f"  {(op['dur'] if op else 0.0) / 1e3:9.1f} ms  "
+                   f"{op['name'][:60] if op else '(no torch op)'} at "
+                   f"{(load['ts'] - start) / 1e3:.1f} ms")
     return out
 
 

@@ -155,6 +155,31 @@ def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
     assert "compiling on this host" not in text  # nothing compiled in this window
 
 
+def test_trace_summary_names_the_ops_whose_kernels_loaded_lazily(tmp_path):
+    """CUPTI's "Lazy Function Loading" events, each under the op that launched the kernel: the
+    twenty-third session's audio backward waited 194 ms in one ``aten::mm`` for such a load."""
+    trace = _script("summarize_trace")
+    events = [
+        {"name": "nvjet_sm90_tst_256x128", "cat": "kernel", "ts": 0, "dur": 9000},
+        {"name": "aten::addmm", "cat": "cpu_op", "ts": 1000, "dur": 300},
+        {"name": "CompiledFunctionBackward", "cat": "cpu_op", "ts": 1900, "dur": 7600},
+        {"name": "aten::mm", "cat": "cpu_op", "ts": 2000, "dur": 7200},  # the innermost op
+        {"name": "Lazy Function Loading", "cat": "overhead", "ts": 9050, "dur": 100},
+        {"name": "nvjet_sm90_tst_128x208", "cat": "kernel", "ts": 9300, "dur": 500},
+        # after the recorded kernels: not this window's
+        {"name": "Lazy Function Loading", "cat": "overhead", "ts": 20000, "dur": 100},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    text = trace.summarize(str(path))
+    assert "kernels loaded at their first launch in the GPU window: 1" in text
+    assert "7.2 ms  aten::mm at 9.1 ms" in text
+    assert "aten::addmm at" not in text
+    events = [e for e in events if e["cat"] != "overhead"]
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert "first launch in the GPU window" not in trace.summarize(str(path))
+
+
 def test_trace_summary_reports_the_hosts_compiling(tmp_path):
     """A rank compiling mid-run stalls every rank; its own trace says so (call 3 of the
     eighteenth session: rank 1 compiled 6.55 s in step 14 while rank 0 waited in a gather)."""
