@@ -125,6 +125,13 @@ def test_moe_field_of_step_lines():
     assert not [p for p in bench.PLANS["moe_dispatch_1gpu"] if "chunks" in p.name]
 
 
+def _trace_summary(trace, tmp_path, events: list[dict]) -> str:
+    """``summarize_trace.summarize`` of a trace file holding ``events``."""
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return trace.summarize(str(path))
+
+
 def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
     trace = _script("summarize_trace")
     events = [
@@ -141,9 +148,7 @@ def test_trace_summary_counts_busy_time_and_gaps(tmp_path):
         {"name": "cudaFree", "cat": "cuda_runtime", "ts": 13000, "dur": 2500},
         {"name": "cudaFree", "cat": "cuda_runtime", "ts": 16000, "dur": 500},
     ]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    text = trace.summarize(str(path))
+    text = _trace_summary(trace, tmp_path, events)
     # window 10.0-22.0 ms; compute busy 1.5 + 0.5 ms; one 10 ms gap opened by the sync
     assert "GPU window 12.0 ms, compute kernels busy 2.0 ms (17%)" in text
     assert "communication kernels 9.0 ms" in text
@@ -169,15 +174,12 @@ def test_trace_summary_names_the_ops_whose_kernels_loaded_lazily(tmp_path):
         # after the recorded kernels: not this window's
         {"name": "Lazy Function Loading", "cat": "overhead", "ts": 20000, "dur": 100},
     ]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    text = trace.summarize(str(path))
+    text = _trace_summary(trace, tmp_path, events)
     assert "kernels loaded at their first launch in the GPU window: 1" in text
     assert "7.2 ms  aten::mm at 9.1 ms" in text
     assert "aten::addmm at" not in text
     events = [e for e in events if e["cat"] != "overhead"]
-    path.write_text(json.dumps({"traceEvents": events}))
-    assert "first launch in the GPU window" not in trace.summarize(str(path))
+    assert "first launch in the GPU window" not in _trace_summary(trace, tmp_path, events)
 
 
 def test_trace_summary_reports_the_hosts_compiling(tmp_path):
@@ -195,9 +197,7 @@ def test_trace_summary_reports_the_hosts_compiling(tmp_path):
         {"name": "dynamo", "cat": "user_annotation", "ts": 20000, "dur": 6000},
         {"name": "flash_fwd_kernel", "cat": "kernel", "ts": 10000, "dur": 500},
     ]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    text = trace.summarize(str(path))
+    text = _trace_summary(trace, tmp_path, events)
     assert ("compiling on this host in the GPU window: 1 frame compile(s), 6.0 ms; 2 kernel "
             "autotuning(s) at first launch, 3.0 ms") in text
 
@@ -241,9 +241,7 @@ def test_trace_summary_splits_the_timeline_by_part(tmp_path):
         host("aten::linear", 2, main, 5, "cpu_op"), host("aten::addmm", 3, main, 2, "cpu_op"),
         host("aten::add", 7, main, 1, "cpu_op"), host("aten::add", 8, main, 1, "cpu_op"),
     ]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    text = trace.summarize(str(path))
+    text = _trace_summary(trace, tmp_path, events)
     device_part, host_part = text.split("  by part (kernels")[1].split("  host by part")
     rows = {tuple(line.split()[:2]): line.split()[2:] for line in device_part.splitlines()[2:]}
     # timeline, computing, idle, communication (ms), kernels of each part and pass, and the
@@ -679,9 +677,7 @@ def test_trace_summary_leaves_the_previous_steps_tail_out_of_its_kernel_totals(t
         *[{"name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": ts, "dur": 5,
            "args": {"correlation": c}} for ts, c in ((4000, 8), (19000, 9))],
     ]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    text = trace.summarize(str(path))
+    text = _trace_summary(trace, tmp_path, events)
     assert "GPU window 23.0 ms, compute kernels busy 16.0 ms" in text
     assert "queued before the trace opened" in text and "1 kernels, 3.0 ms, until 3.0 ms" in text
     top = text.split("top kernels:")[1].splitlines()
