@@ -19,7 +19,8 @@
 # EXTRA="<arguments>" appends trainer arguments to every point (bench_scaling.py --extra), e.g.
 # EXTRA="--profiling.enable_profiling --profiling.profile_freq 20" with a 30-step point profiles
 # its step 20 (summarized into traces.txt); KEEP_TRACES=1 brings the raw rank-0 traces back
-# too (gzipped, in traces.tar, dropped if over 16 MiB: profile one or two points then).
+# too, KEEP_TRACES=all every rank's (gzipped, in traces.tar, dropped if over 16 MiB: about 2 MiB
+# a rank for the 8B's realistic step, so profile one or two points then).
 #
 # BASELINE_TREE=<folder> runs each argument's points again in an older tree right after this
 # tree's (the same call, so the ratio is fair), its tables as baseline_*.md; make it before the
@@ -92,10 +93,10 @@ tar -czf "$archive" -C "$logs" . 2>/dev/null
 for trace in outputs/bench_*/profile_traces/*/rank*_trace.json; do  # every rank: their skew
   [ -f "$trace" ] || continue
   python3 scripts/summarize_trace.py --top 15 "$trace" >> "$out/traces.txt"
-  if [ -n "${KEEP_TRACES:-}" ] && [ "${trace##*/}" = rank0_trace.json ]; then
-    # rank 0's raw traces too, gzipped, one archive (under 16 MiB)
+  if [ "${KEEP_TRACES:-}" = all ] || { [ -n "${KEEP_TRACES:-}" ] && [ "${trace##*/}" = rank0_trace.json ]; }; then
+    # the raw traces too (rank 0's, or every rank's), gzipped, one archive (under 16 MiB)
     point=${trace#outputs/bench_}
-    mkdir -p "$logs/traces" && gzip -c "$trace" > "$logs/traces/${point%%/*}_rank0_trace.json.gz"
+    mkdir -p "$logs/traces" && gzip -c "$trace" > "$logs/traces/${point%%/*}_${trace##*/}.gz"
   fi
 done
 if [ -d "$logs/traces" ]; then
