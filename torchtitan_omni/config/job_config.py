@@ -190,8 +190,8 @@ class Omni:
     host all-reduce), the lightest, most launch-bound encoder first and the heaviest last,
     right before the LLM. The results are the same either way. On one H200 (the 8B shape cut
     to 16 LLM layers, realistic rows, compiled) "work" ran at 0.91x by medians, and at 0.92x
-    on two (the whole 8B, float8): the default stays "model" (docs/performance.md). Refused with non-colocated encoders (their ranks
-    replay the model's order)."""
+    on two (the whole 8B, float8): the default stays "model" (docs/performance.md). Refused
+    with non-colocated encoders (their ranks replay the model's order)."""
 
     activation_offload: bool = False
     """Keep the LLM blocks' saved activations in pinned host memory between forward and
