@@ -1,6 +1,6 @@
 """Each spec's ``debugmodel``: forward and backward on a batch mixing every modality it
 supports, its plan and processing, the parallelism checks, FSDP on two ranks whose batches hold
-different modality mixes (gradients equal the single-process ones), and 30 steps of
+different modality mixes (gradients equal the single-process ones), and 20 steps of
 ``run_train.sh`` on the bundled data."""
 
 from __future__ import annotations
@@ -169,14 +169,20 @@ def test_fsdp_two_ranks_with_different_modality_mixes_match_one_process():
 
 
 # ----------------------------------------------------------------- run_train.sh
+#: steps of the loss-decrease runs: the mean of the last 5 losses is 1.9-2.9 below that of the
+#: first 5 by step 20 on every spec (1.2-2.2 by step 15, so 20 keeps a margin over the 1.0
+#: asserted); 30 steps only took longer (~0.5-1 s a step on 2 cores)
+LOSS_STEPS = 20
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SPECS)
-def test_loss_decreases_over_30_steps_on_bundled_data(name):
-    run = run_train(f"train_configs/{name}_debug.toml", 2, "--training.steps", "30",
+def test_loss_decreases_over_20_steps_on_bundled_data(name):
+    run = run_train(f"train_configs/{name}_debug.toml", 2, "--training.steps", str(LOSS_STEPS),
                     "--job.dump_folder", f"outputs/test_{name}_debug")
     assert run.returncode == 0, run.output[-3000:]
     losses = run.loss_list()
-    assert len(losses) == 30 and all(math.isfinite(v) for v in losses), losses
+    assert len(losses) == LOSS_STEPS and all(math.isfinite(v) for v in losses), losses
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, losses
     for named in run.named.values():
