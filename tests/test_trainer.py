@@ -25,32 +25,43 @@ def test_loss_decreases_on_two_ranks():
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
 
 
-@pytest.mark.slow
-def test_deterministic_runs_are_identical():
-    args = ("--training.steps", "4", "--debug.deterministic", "--debug.seed", "42")
-    a = run_train(CONFIG, 2, *args, "--job.dump_folder", "outputs/test_trainer_b")
-    b = run_train(CONFIG, 2, *args, "--job.dump_folder", "outputs/test_trainer_c")
-    assert a.returncode == 0 and b.returncode == 0, a.output[-2000:] + b.output[-2000:]
-    assert a.loss_list() == b.loss_list() and len(a.loss_list()) == 4
+#: the deferred-line runs' settings (a linear decay: steps 3 and 4 log different values)
+DEFERRED = ("--debug.deterministic", "--debug.seed", "42", "--lr_scheduler.decay_type", "linear")
+
+
+@pytest.fixture(scope="module")
+def four_steps():
+    """A deterministic 4-step run logging every step: shared by the determinism and the
+    deferred-line tests (one 2-rank run less)."""
+    run = run_train(CONFIG, 2, *DEFERRED, "--training.steps", "4", "--metrics.log_freq", "1",
+                    "--job.dump_folder", "outputs/test_trainer_deferred_c")
+    assert run.returncode == 0, run.output[-2000:]
+    return run
 
 
 @pytest.mark.slow
-def test_deferred_log_lines_carry_their_own_steps_values():
+def test_deterministic_runs_are_identical(four_steps):
+    again = run_train(CONFIG, 2, *DEFERRED, "--training.steps", "4", "--metrics.log_freq", "1",
+                      "--job.dump_folder", "outputs/test_trainer_b")
+    assert again.returncode == 0, again.output[-2000:]
+    assert again.loss_list() == four_steps.loss_list() and len(again.loss_list()) == 4
+
+
+@pytest.mark.slow
+def test_deferred_log_lines_carry_their_own_steps_values(four_steps):
     """A log step's line comes at the end of the next step (its values copied behind its
     kernels), the last step's at once. Step 3's line, deferred in a 4-step run, equals step 3
     logged at once as the last of a 3-step run; a 4-step run that logs every other step logs
     steps 1, 2 and 4 (its last) and nothing else."""
-    args = ("--debug.deterministic", "--debug.seed", "42", "--lr_scheduler.decay_type", "linear")
-    every_other = run_train(CONFIG, 2, *args, "--training.steps", "4", "--metrics.log_freq", "2",
+    every_other = run_train(CONFIG, 2, *DEFERRED, "--training.steps", "4",
+                            "--metrics.log_freq", "2",
                             "--job.dump_folder", "outputs/test_trainer_deferred_a")
-    three = run_train(CONFIG, 2, *args, "--training.steps", "3", "--metrics.log_freq", "1",
+    three = run_train(CONFIG, 2, *DEFERRED, "--training.steps", "3", "--metrics.log_freq", "1",
                       "--job.dump_folder", "outputs/test_trainer_deferred_b")
     assert every_other.returncode == 0 and three.returncode == 0, (
         every_other.output[-2000:] + three.output[-2000:])
     assert sorted(every_other.losses) == [1, 2, 4], every_other.losses
-    four = run_train(CONFIG, 2, *args, "--training.steps", "4", "--metrics.log_freq", "1",
-                     "--job.dump_folder", "outputs/test_trainer_deferred_c")
-    assert four.returncode == 0, four.output[-2000:]
+    four = four_steps
     assert four.losses[3] == three.losses[3], (four.losses, three.losses)
     assert four.losses[4] == every_other.losses[4], (four.losses, every_other.losses)
     assert four.losses[3] != four.losses[4]
