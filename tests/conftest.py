@@ -32,23 +32,10 @@ def part_layout_runs(tmp_path_factory):
     default layout and in the mixed ``[parallelism.parts]`` one
     (``tests/checkpoint/test_resume_part_layouts.py: train_layouts``). Shared: the resume tests
     there and the tables' launcher test of ``tests/distributed/test_part_layouts.py`` would
-    each train the same two runs (~20 s each on 2 cores). Under pytest-xdist the two modules
-    may run on different workers: the first worker to get here trains, the other waits for
-    its runs (pickled beside the workers' temporary folders) instead of training them again
-    (xdist's documented way to run a session fixture once)."""
-    import pickle
-
-    from filelock import FileLock
-
+    each train the same two runs (~20 s each on 2 cores)."""
     from tests.checkpoint.test_resume_part_layouts import train_layouts
+    from tests.harness import once_per_session
 
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return train_layouts(tmp_path_factory)
-    shared = tmp_path_factory.getbasetemp().parent  # the same folder for every worker
-    with FileLock(str(shared / "part_layout_runs.lock")):
-        cached = shared / "part_layout_runs.pkl"
-        if cached.exists():
-            return pickle.loads(cached.read_bytes())
-        runs = train_layouts(tmp_path_factory)
-        cached.write_bytes(pickle.dumps(runs))
-        return runs
+    return once_per_session(tmp_path_factory, "part_layout_runs",
+                            lambda: train_layouts(tmp_path_factory))
+

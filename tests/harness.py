@@ -9,6 +9,7 @@ each rank is forked from a server that imported torch and the package once per s
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,6 +122,24 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
         if errors:
             raise AssertionError("distributed run failed:\n" + "\n".join(errors))
         return results
+
+
+def once_per_session(tmp_path_factory, name: str, compute):
+    """``compute()``, once per test session also under pytest-xdist: a session fixture's
+    modules may run on different workers, each of which would compute it again (runs of
+    tens of seconds). The first worker to get here computes it, the others wait for it and
+    load its result (pickled beside the workers' temporary folders, which it may name): xdist's
+    documented way to run a session fixture once. Without xdist, just ``compute()``."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return compute()
+    shared = tmp_path_factory.getbasetemp().parent  # the same folder for every worker
+    with FileLock(str(shared / f"{name}.lock")):
+        cached = shared / f"{name}.pkl"
+        if cached.exists():
+            return pickle.loads(cached.read_bytes())
+        result = compute()
+        cached.write_bytes(pickle.dumps(result))
+        return result
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
