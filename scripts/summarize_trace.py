@@ -147,9 +147,8 @@ def host_syncs(events: list[dict], start: float, stop: float) -> list[str]:
              and start <= e["ts"] <= stop]
     by_op: dict[str, int] = defaultdict(int)
     for sync in syncs:
-        around = [e for e in ops if e["ts"] <= sync["ts"] <= e["ts"] + e["dur"]]
-        # the innermost op: the latest to open among those still open
-        caller = max(around, key=lambda e: e["ts"])["name"] if around else "(no torch op)"
+        op = innermost_op(ops, sync["ts"])
+        caller = op["name"] if op else "(no torch op)"
         by_op[f"{sync['name']} in {caller}"[:100]] += 1
     out = [f"  host syncs in the GPU window: {len(syncs)}"]
     out += [f"  {n:9d}x  {name}" for name, n in sorted(by_op.items(), key=lambda kv: -kv[1])]
@@ -164,6 +163,13 @@ def host_syncs(events: list[dict], start: float, stop: float) -> list[str]:
     out += [f"  {int(n):9d}x  {name} ({dur / 1e3:.1f} ms on the host)"
             for name, (n, dur) in sorted(memory.items(), key=lambda kv: -kv[1][1])]
     return out + lazy_loads(events, ops, start, stop)
+
+
+def innermost_op(ops: list[dict], at: float) -> dict | None:
+    """The innermost of ``ops`` open at time ``at``: the latest to open among those still open
+    (the op whose call was running then), or None."""
+    around = [e for e in ops if e["ts"] <= at <= e["ts"] + e["dur"]]
+    return max(around, key=lambda e: e["ts"]) if around else None
 
 
 def lazy_loads(events: list[dict], ops: list[dict], start: float, stop: float) -> list[str]:
@@ -181,8 +187,7 @@ def lazy_loads(events: list[dict], ops: list[dict], start: float, stop: float) -
            "can hold the host until the queued kernels have run); the op that launched each, "
            "and its host time:"]
     for load in sorted(loads, key=lambda e: e["ts"]):
-        around = [e for e in ops if e["ts"] <= load["ts"] <= e["ts"] + e["dur"]]
-        op = max(around, key=lambda e: e["ts"]) if around else None
+        op = innermost_op(ops, load["ts"])
         out.append(f"  {(op['dur'] if op else 0.0) / 1e3:9.1f} ms  "
                    f"{op['name'][:60] if op else '(no torch op)'} at "
                    f"{(load['ts'] - start) / 1e3:.1f} ms")
