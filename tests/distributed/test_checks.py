@@ -10,8 +10,8 @@ from torchtitan_omni.config.manager import ConfigError, OmniConfigManager
 from torchtitan_omni.config.validate import validate_job_config
 from torchtitan_omni.distributed.checks import expert_problem, plan_problem, ulysses_problem
 from torchtitan_omni.distributed.encoder_sp import split_bounds
-from torchtitan_omni.protocols.media_items import slice_items
 from torchtitan_omni.distributed.ulysses import kv_replication
+from torchtitan_omni.protocols.media_items import slice_items
 
 
 def _meta_model(**spec):
