@@ -7,11 +7,11 @@ from collections.abc import Mapping
 from functools import partial
 
 from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
 from torchtitan.protocols.train_spec import TrainSpec
 
 from torchtitan_omni.components.loss import build_omni_loss
 from torchtitan_omni.components.metrics import build_omni_metrics_processor
+from torchtitan_omni.components.optimizer import build_omni_optimizers
 from torchtitan_omni.data.loader import build_omni_dataloader
 from torchtitan_omni.data.tokenizer import build_omni_tokenizer
 from torchtitan_omni.distributed.parallelize import parallelize_omni
@@ -29,7 +29,7 @@ def omni_train_spec(model_cls, model_args: Mapping[str, object], state_dict_adap
         model_args=model_args,
         parallelize_fn=parallelize_omni,
         pipelining_fn=None,
-        build_optimizers_fn=build_optimizers,
+        build_optimizers_fn=build_omni_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_dataloader_fn,
         build_tokenizer_fn=build_tokenizer_fn,

@@ -89,40 +89,49 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
                     ) -> torch.Tensor:
     """Clip the global L2 norm of all gradients to ``max_norm``; returns the norm before.
 
-    Parameters are grouped by their gradients' (mesh, placements) so that DTensors on
-    different meshes (LLM, encoders, experts) never meet in one foreach kernel; each group's
-    sharded norm is completed on its own mesh, then the squares are summed. ``combine`` maps
-    that sum to the job's (non-colocated encoders: ``noncolocated.combine_grad_norms`` adds
-    the other rank set's), so every rank clips by the same norm.
+    Works on the gradients' local shards: each group of gradients with the same (mesh,
+    placements) sums its local squares in one foreach kernel and completes the sum over the
+    mesh dimensions it is sharded on (one all-reduce each), and the scaling multiplies the
+    local shards in place. Why not on the DTensors: DTensor's dispatch of the foreach norm and
+    multiply checks every tensor on the host (15 ms for LLaMA#Omni 8B's 226 tensors a rank),
+    while the GPU waits. ``combine`` maps the sum of squares to the job's (non-colocated
+    encoders: ``noncolocated.combine_grad_norms`` adds the other rank set's), so every rank
+    clips by the same norm.
     """
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for p in parameters:
-        g = p.grad
-        if g is None:
-            continue
-        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-        groups[key].append(p)
-    if not groups and combine is None:
-        return torch.zeros(())
-    squares = [torch.zeros((), dtype=torch.float32, device=local_device())]
-    for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
-    device = squares[-1].device
-    square = torch.stack([s.to(device) for s in squares]).sum()
-    total = (combine(square) if combine is not None else square).sqrt()
-    for params in groups.values():
-        # clip_grads_with_norm_ reads p.grad: it takes the parameters, not the gradients.
-        torch.nn.utils.clip_grads_with_norm_(
-            params, max_norm, total.to(_local(params[0].grad).device), foreach=True
-        )
+    with torch.no_grad():
+        for p in parameters:
+            g = p.grad
+            if g is None:
+                continue
+            if isinstance(g, DTensor):
+                groups[(g.device_mesh, g.placements)].append(g.to_local())
+            else:
+                groups[None].append(g)
+        if not groups and combine is None:
+            return torch.zeros(())
+        squares = [torch.zeros((), dtype=torch.float32, device=local_device())]
+        for key, grads in groups.items():
+            square = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).float() ** 2
+            if key is not None:
+                mesh, placements = key
+                for dim, placement in enumerate(placements):
+                    # sharded (strided too: not a Shard in torch 2.13) or partial: sum
+                    if not placement.is_replicate():
+                        square = all_reduce_traceable(square, "sum", (mesh, dim))
+            squares.append(square)
+        device = squares[-1].device
+        square = torch.stack([s.to(device) for s in squares]).sum()
+        total = (combine(square) if combine is not None else square).sqrt()
+        # torch.nn.utils.clip_grads_with_norm_'s coefficient, applied per (device, dtype)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for grads in groups.values():
+            for g in grads:
+                by_kind[(g.device, g.dtype)].append(g)
+        for (grad_device, _), grads in by_kind.items():
+            torch._foreach_mul_(grads, coef.to(grad_device))
     return total
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def barrier() -> None:

@@ -1,0 +1,118 @@
+"""``components.optimizer``: Adam/AdamW stepping on FSDP2's local shards against torch's own
+optimizers stepping the same DTensor parameters (DTensor's dispatch), and the gradient clipping
+on local shards against torch's ``clip_grad_norm_`` of the full (unsharded) model in one
+process, float64."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.harness import run_distributed
+
+IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # an odd row count: FSDP2 pads the last rank's shard
+    return torch.nn.Sequential(torch.nn.Linear(12, 7), torch.nn.GELU(), torch.nn.Linear(7, 5),
+                               torch.nn.Linear(5, 3, bias=False)).double()
+
+
+def _sharded(world: int) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    model = _model()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _grads(model: torch.nn.Module, step: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(4, 12, generator=g, dtype=torch.float64)
+    model(x).square().sum().backward()
+
+
+def _optimizers_agree(rank: int, world: int) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_omni.components.optimizer import LocalShardAdam, LocalShardAdamW
+
+    out = {}
+    for name, ours_cls, torch_cls in (("AdamW", LocalShardAdamW, torch.optim.AdamW),
+                                      ("Adam", LocalShardAdam, torch.optim.Adam)):
+        for impl in IMPLEMENTATIONS:
+            if name == "Adam" and impl != "fused":
+                continue
+            kwargs = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+                      "fused": impl == "fused", "foreach": impl == "foreach"}
+            ours_model, ref_model = _sharded(world), _sharded(world)
+            ours, ref = ours_cls(ours_model.parameters(), **kwargs), torch_cls(
+                ref_model.parameters(), **kwargs)
+            for step in range(3):
+                for model, opt in ((ours_model, ours), (ref_model, ref)):
+                    opt.zero_grad()
+                    _grads(model, step, rank)
+                    opt.step()
+            worst = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                        for a, b in zip(ours_model.parameters(), ref_model.parameters()))
+            moved = max((a.full_tensor() - b).abs().max().item()
+                        for a, b in zip(ours_model.parameters(), _model().parameters()))
+            ours_state, ref_state = ours.state_dict()["state"], ref.state_dict()["state"]
+            state_worst = 0.0
+            kinds_match = ours_state.keys() == ref_state.keys()
+            for i in ref_state:
+                kinds_match &= ours_state[i].keys() == ref_state[i].keys()
+                for key, value in ref_state[i].items():
+                    mine = ours_state[i][key]
+                    kinds_match &= (type(mine) is type(value) and mine.dtype == value.dtype
+                                    and mine.device == value.device)
+                    full = (lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+                    state_worst = max(state_worst, (full(mine) - full(value)).abs().max().item())
+            out[f"{name}/{impl}"] = {"worst": worst, "moved": moved, "state_worst": state_worst,
+                                     "kinds_match": bool(kinds_match)}
+    return out
+
+
+def test_local_shard_adam_steps_as_torch_does_on_the_dtensors():
+    for rank_out in run_distributed(_optimizers_agree, 2):
+        assert len(rank_out) == 4, rank_out
+        for case, r in rank_out.items():
+            assert r["moved"] > 1e-3, (case, "the parameters did not move")
+            assert r["worst"] <= 1e-12, (case, r)
+            assert r["state_worst"] <= 1e-12, (case, r)
+            assert r["kinds_match"], (case, "the state differs in keys, types or dtypes")
+
+
+def _clip_agrees(rank: int, world: int) -> dict:
+    from torchtitan_omni.distributed.utils import clip_grad_norm_
+
+    out = {}
+    for max_norm in (1e-3, 1e6):  # clipping, and a bound above the norm (no change)
+        model, ref = _sharded(world), _model()
+        _grads(model, 0, rank)
+        for r in range(world):  # the reference sees every rank's batch; FSDP averages
+            _grads(ref, 0, r)
+        for q in ref.parameters():
+            q.grad /= world
+        norm = clip_grad_norm_(list(model.parameters()), max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), max_norm)
+        worst = max((p.grad.full_tensor() - q.grad).abs().max().item()
+                    for p, q in zip(model.parameters(), ref.parameters()))
+        scale = max(q.grad.abs().max().item() for q in ref.parameters())
+        out[max_norm] = {"norm": float(norm), "ref_norm": float(ref_norm), "worst": worst,
+                         "scale": scale}
+    return out
+
+
+def test_clip_on_local_shards_matches_torch_on_the_full_model():
+    for rank_out in run_distributed(_clip_agrees, 2):
+        for max_norm, r in rank_out.items():
+            # the norm is summed in float32 (as before these local shards)
+            assert abs(r["norm"] - r["ref_norm"]) <= 1e-6 * r["ref_norm"], (max_norm, r)
+            assert r["worst"] <= 1e-6 * r["scale"], (max_norm, r)
+        assert rank_out[1e-3]["ref_norm"] > 1e-3, "the clipping case did not clip"
