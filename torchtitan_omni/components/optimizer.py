@@ -15,6 +15,9 @@ TorchTitan's optimizers and reshard as before.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from typing import Any
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
@@ -36,6 +39,10 @@ def _step_dtype(fused: bool) -> torch.dtype:
 class _LocalShardStep:
     """The step of torch's ``Adam`` (and ``AdamW``), run on the parameters', gradients' and
     moments' local tensors."""
+
+    # what torch.optim.Optimizer provides (the classes below mix this into Adam and AdamW)
+    param_groups: list[dict[str, Any]]
+    state: defaultdict[torch.Tensor, Any]
 
     def _check_local_step(self) -> None:
         for group in self.param_groups:

@@ -98,7 +98,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     encoders: ``noncolocated.combine_grad_norms`` adds the other rank set's), so every rank
     clips by the same norm.
     """
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    # (mesh, placements) of DTensor gradients; None for plain tensors
+    groups: dict[tuple[DeviceMesh, tuple] | None, list[torch.Tensor]] = defaultdict(list)
     with torch.no_grad():
         for p in parameters:
             g = p.grad
