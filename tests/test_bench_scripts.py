@@ -46,6 +46,18 @@ def test_step_lines_of_omni_and_stock_logs():
     assert "-m torchtitan.train" in row["command"] and "--training.seq_len 8192" in row["command"]
 
 
+def test_step_lines_of_several_ranks_are_the_lowest_ranks():
+    """With ``LOG_RANK=0,1`` both ranks print their lines (each rank's tokens/s is its own
+    batch's): the table reads rank 0's alone, whichever order they come in."""
+    bench = _script("bench_scaling")
+    rank1 = OMNI_LINE.replace("[rank0]:", "[rank1]:").replace("tps: 4,424", "tps: 9,999")
+    steps = bench.parse_steps("\n".join([rank1, OMNI_LINE, rank1.replace("step: 11", "step: 12"),
+                                         OMNI_LINE.replace("step: 11", "step: 12")]))
+    assert [(s["step"], s["tps"]) for s in steps] == [(11, 4424.0), (12, 4424.0)]
+    # rank 1 alone (LOG_RANK=1): its lines are the log's
+    assert [s["tps"] for s in bench.parse_steps(rank1)] == [9999.0]
+
+
 def test_step_time_reads_the_omni_lines_own_step_times(caplog):
     """The omni trainer logs a step's line at the end of the next step, so its timestamps
     alternate with the host's lead; the bench takes the step time each line states (here
