@@ -44,7 +44,8 @@ class _LocalShardStep:
     param_groups: list[dict[str, Any]]
     state: defaultdict[torch.Tensor, Any]
 
-    def _check_local_step(self) -> None:
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)  # torch's Adam or AdamW, next in the MRO
         for group in self.param_groups:
             for key in ("capturable", "differentiable"):
                 if group[key]:
@@ -99,17 +100,9 @@ class _LocalShardStep:
 class LocalShardAdam(_LocalShardStep, torch.optim.Adam):
     """torch's ``Adam`` (same arguments and state), stepping on local shards."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._check_local_step()
-
 
 class LocalShardAdamW(_LocalShardStep, torch.optim.AdamW):
     """torch's ``AdamW`` (same arguments and state), stepping on local shards."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._check_local_step()
 
 
 LOCAL_SHARD_OPTIMIZERS = {"Adam": LocalShardAdam, "AdamW": LocalShardAdamW}
