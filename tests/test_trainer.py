@@ -260,19 +260,3 @@ def test_runtime_input_error_is_one_line(tmp_path):
     errors = [l for l in out.splitlines() if "torchtitan-omni: error:" in l]
     assert errors and str(empty) in errors[0], out[-3000:]
     assert "torchtitan_omni/" not in out.split("torchtitan-omni: error:")[-1], out[-3000:]
-
-
-def test_skipped_samples_are_summed_on_the_host():
-    """The log step's skipped-sample counts (host values) come back as ints per reason; on one
-    data rank (no mesh) they are this rank's own."""
-    from types import SimpleNamespace
-
-    from torchtitan_omni.train import OmniTrainer
-
-    trainer = SimpleNamespace(
-        dataloader=SimpleNamespace(stats=lambda: {"too_long": 3, "bad_media": 1}),
-        parallel_dims=SimpleNamespace(get_optional_mesh=lambda name: None))
-    got = OmniTrainer._skipped_samples(trainer)
-    assert got == {"data/skipped_bad_media": 1, "data/skipped_too_long": 3}
-    trainer.dataloader = SimpleNamespace(stats=lambda: {})
-    assert OmniTrainer._skipped_samples(trainer) == {}

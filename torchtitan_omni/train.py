@@ -268,19 +268,29 @@ class OmniTrainer(Trainer):
         # loss normalizers and, per micro-batch, which modalities some rank carries. These are
         # host values, summed on the host: a device all-reduce read back here would wait for
         # the previous step's queued kernels and leave the GPU idle while the encoders launch.
+        # A log step's skipped-sample counts ride along: a second host all-reduce after the
+        # optimizer would be a second point where each host waits for the other's launches.
         loss_mesh = dims.get_optional_mesh("loss")
         names = list(local_counts)
         presence = torch.stack([model.media_present(b) for b, _ in microbatches])
         worked = list(encoder_work[0])
         work = torch.tensor([[int(w[m]) for m in worked] for w in encoder_work],
                             dtype=torch.long)  # FLOPs: integers, exact in int64
+        skipped = (self.skipped_sample_counts()
+                   if self.metrics_processor.should_log(self.step) else {})
+        reasons = sorted(skipped)
+        # the ranks of a sequence-parallel group read the same rows: one of them counts
+        own = [skipped[r] if self.sp_rank == 0 else 0 for r in reasons]
         local_vec = torch.cat([torch.stack([local_counts[n] for n in names]), presence.flatten(),
-                               work.flatten()])
+                               work.flatten(), torch.tensor(own, dtype=torch.long)])
         global_vec = all_reduce_on_host(local_vec, loss_mesh)
         host_counts = dict(zip(names, global_vec[: len(names)]))
         global_counts = dict(zip(names, to_device(global_vec[: len(names)], self.device)))
-        present = global_vec[len(names):len(names) + presence.numel()].view(presence.shape)
-        total_work = global_vec[len(names) + presence.numel():].view(work.shape).tolist()
+        at = len(names) + presence.numel()
+        present = global_vec[len(names):at].view(presence.shape)
+        total_work = global_vec[at:at + work.numel()].view(work.shape).tolist()
+        skipped_total = {f"data/skipped_{r}": int(v)
+                         for r, v in zip(reasons, global_vec[at + work.numel():])}
         contributions = self.gradient_accumulation_steps * (loss_mesh.size() if loss_mesh else 1)
 
         absents = [frozenset(m for m, n in zip(model.modalities, flags) if n == 0)
@@ -354,7 +364,7 @@ class OmniTrainer(Trainer):
                 counts, dims.get_optional_mesh("ep"), dims.get_optional_mesh("loss"))
         extra = {"n_tokens_seen": self.ntokens_seen, "lr": lr,
                  **{f"targets/{n}": int(c) for n, c in host_counts.items()},
-                 **self._skipped_samples(),
+                 **skipped_total,
                  **balance_metrics(getattr(self.model_parts[0], "encoders", {}))}
         read = DeferredRead(reads)
         now = self._log_now()
@@ -421,18 +431,12 @@ class OmniTrainer(Trainer):
             logger.warning(f"The last pending log line could not be read: {e}")
         super().close()
 
-    def _skipped_samples(self) -> dict[str, int]:
-        """Samples the data pipeline skipped so far, per reason, summed over data ranks."""
+    def skipped_sample_counts(self) -> dict[str, int]:
+        """Samples this rank's data pipeline skipped so far, per reason (every reason, zeros
+        included: each rank sums the same list); the log step's line has them summed over
+        the data ranks (``data/skipped_<reason>``). Empty for a loader without ``stats``."""
         stats = getattr(self.dataloader, "stats", None)
-        if stats is None:
-            return {}
-        counts = stats()
-        if not counts:
-            return {}
-        names = sorted(counts)
-        local = torch.tensor([counts[n] for n in names], dtype=torch.long)
-        total = all_reduce_on_host(local, self.parallel_dims.get_optional_mesh("batch"))
-        return {f"data/skipped_{n}": int(v) for n, v in zip(names, total)}
+        return dict(stats()) if stats is not None else {}
 
 
 def output_locations(job_config: JobConfig) -> str:
