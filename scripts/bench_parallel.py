@@ -1,4 +1,5 @@
-"""Throughput of Ulysses sequence parallel: SP1 vs SP2/SP4 at a long sequence, sync vs async.
+"""Throughput of Ulysses sequence parallel: SP1 vs SP2/SP4 at a long sequence, sync vs async
+(without head groups, and with the heads pipelined in groups).
 
 A Llama-shaped foundation (no encoders) trains on synthetic packed documents with the
 framework's own ``parallelize_omni`` (FSDP2 over dp_shard x sp, bf16 params and fp32
@@ -33,6 +34,7 @@ from torchtitan_omni.components.loss import OmniLoss
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.parallelize import parallelize_omni
 from torchtitan_omni.distributed.sequence import shard_sequence
+from torchtitan_omni.distributed.ulysses import head_chunks as ulysses_head_chunks
 from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_
 from torchtitan_omni.foundations.llama3 import Llama3, Llama3Args
 from torchtitan_omni.omni_model import OmniModel
@@ -64,7 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--sp", default="", help="comma-separated SP degrees (default: all dividing the world)"
     )
-    p.add_argument("--modes", default="sync,async")
+    p.add_argument("--modes", default="sync,async1,async",
+                   help="sync, async (head groups: as many as fit) or asyncN (N head groups)")
     p.add_argument("--ac", default="full", choices=["none", "full"])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
@@ -77,12 +80,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def job_config(args, sp: int, async_op: bool):
+def head_groups(mode: str) -> int | None:
+    """``--modes`` entry -> async Ulysses' head groups: "sync" None, "async" 0 (as many as
+    fit), "asyncN" N (``async1``: the runner without head groups)."""
+    if mode == "sync":
+        return None
+    if not mode.startswith("async") or not (mode[5:] or "0").isdigit():
+        raise SystemExit(f"--modes: {mode!r} is not sync, async or asyncN (N head groups)")
+    return int(mode[5:] or 0)
+
+
+def job_config(args, sp: int, mode: str):
     from torchtitan_omni.config.merge import default_job_config
 
     cfg = default_job_config()
     cfg.parallelism.ulysses_degree = sp
-    cfg.parallelism.ulysses_async = async_op
+    groups = head_groups(mode)
+    cfg.parallelism.ulysses_async = groups is not None
+    cfg.parallelism.ulysses_async_head_chunks = groups or 0
     cfg.activation_checkpoint.mode = args.ac
     return cfg
 
@@ -139,12 +154,12 @@ def step(model, dims, batch, labels, device, loss_fn, opt) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def run_config(args, world: int, sp: int, async_op: bool, device) -> dict:
+def run_config(args, world: int, sp: int, mode: str, device) -> dict:
     dims = OmniParallelDims(
         dp_shard=-1, dp_replicate=1, cp=sp, tp=1, pp=1, ep=1, etp=1, world_size=world
     )
     dims.build_mesh()
-    model = build(args, dims, job_config(args, sp, async_op), device)
+    model = build(args, dims, job_config(args, sp, mode), device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     loss_fn = OmniLoss()
     dp_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
@@ -169,7 +184,10 @@ def run_config(args, world: int, sp: int, async_op: bool, device) -> dict:
     del model, opt
     if not is_cpu():
         torch.cuda.empty_cache()
-    return {"sp": sp, "mode": ("async" if async_op else "sync") if sp > 1 else "-",
+    if sp > 1 and head_groups(mode) is not None:  # the groups the runner resolved
+        groups = ulysses_head_chunks(args.heads, args.kv_heads, sp, head_groups(mode))
+        mode = f"async, {groups} head group{'s' if groups > 1 else ''}"
+    return {"sp": sp, "mode": mode if sp > 1 else "-",
             "step_s": float(t), "tok_s_gpu": tokens_per_step / float(t) / world, "mem_gib": mem}
 
 
@@ -205,7 +223,7 @@ def main() -> None:
     for sp in degrees:
         for mode in (modes if sp > 1 else ["sync"]):
             try:
-                rows.append(run_config(args, world, sp, mode == "async", device))
+                rows.append(run_config(args, world, sp, mode, device))
             except torch.OutOfMemoryError:
                 rows.append({"sp": sp, "mode": mode, "step_s": float("nan"),
                              "tok_s_gpu": float("nan"), "mem_gib": float("nan")})

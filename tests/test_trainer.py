@@ -236,6 +236,20 @@ def test_expert_dispatch_chunks_need_capacity(check_here):
     assert "parallelism.expert_dispatch_chunks must be >= 1" in line
 
 
+def test_ulysses_async_head_chunks_checked(check_here):
+    line = _one_error_line(check_here(["--parallelism.ulysses_async_head_chunks", "2"]))
+    assert "ulysses_async_head_chunks is 2 but ulysses_async is off" in line
+    line = _one_error_line(check_here(["--parallelism.ulysses_async",
+                                       "--parallelism.ulysses_async_head_chunks", "-1"]))
+    assert "parallelism.ulysses_async_head_chunks must be >= 0" in line
+    # a count whose groups would split heads between ranks: named with the attention module
+    line = _one_error_line(check_here(["--parallelism.ulysses_degree", "2",
+                                       "--parallelism.ulysses_async",
+                                       "--parallelism.ulysses_async_head_chunks", "64"], ngpu=2))
+    assert "ulysses_async_head_chunks (64) x ulysses_degree (2) must divide" in line
+    assert "attention" in line
+
+
 def test_llm_layers_out_of_range(check_here):
     line = _one_error_line(check_here(["--omni.llm_layers", "99"]))
     assert "omni.llm_layers (99)" in line

@@ -61,21 +61,27 @@ def _checked(results, name, fn):
 
 
 # ----------------------------------------------------------------- extra checks
-def _sync_vs_async(world, spec, dims_kw, batches_fn):
-    """Gradients and losses of sync and async Ulysses on the same batch: max abs difference."""
+def _sync_vs_async(world, spec, dims_kw, batches_fn, **job_kw):
+    """Gradients and losses of sync and async Ulysses (both with ``job_kw`` settings) on the
+    same batch: max abs difference, and the head groups the async runner pipelined."""
     from tests.distributed import common as C
+    from torchtitan_omni.distributed.ulysses import head_chunks
 
     out = {}
     for mode in (False, True):
         dims = C.make_dims(world, **dims_kw)
-        model = C.parallel_model(spec, dims, C.job_config(parallelism__ulysses_async=mode))
+        model = C.parallel_model(spec, dims, C.job_config(parallelism__ulysses_async=mode,
+                                                          **job_kw))
         ndp = dims.dp_replicate * dims.dp_shard
         dp = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
+        attn = model.llm.layers["0"].attention
         out[mode] = (C.parallel_step(model, dims, *batches_fn(ndp)[dp]), C.full_grads(model),
-                     type(model.llm.layers["0"].attention.runner).__name__)
+                     type(attn.runner).__name__)
+        groups = (head_chunks(attn.n_heads, attn.n_kv_heads, dims.sp, attn.runner.head_chunks)
+                  if mode else None)
     (l0, g0, r0), (l1, g1, r1) = out[False], out[True]
     diff = max((g0[n] - g1[n]).abs().max().item() for n in g0 if g0[n] is not None)
-    return {"runners": (r0, r1), "grad_max_diff": diff,
+    return {"runners": (r0, r1), "grad_max_diff": diff, "head_groups": groups,
             "loss_diff": max(abs(l0[k] - l1[k]) for k in l0),
             "bitwise": all(torch.equal(g0[n], g1[n]) for n in g0 if g0[n] is not None)}
 
@@ -159,6 +165,11 @@ def _two_ranks(rank, world):
         "crosses": C.crosses_slices(crossing(1)[0][0], 2)})
     _checked(results, "sp2_sync_vs_async", lambda: _sync_vs_async(
         world, Spec(n_kv_heads=1), dict(dp_shard=1, sp=2), crossing))
+    # the heads pipelined in two groups (4 q and 4 kv heads over 2 ranks: the most that fit,
+    # by default), under full AC (the recompute pipelines its exchanges again)
+    _checked(results, "sp2_async_head_groups", lambda: _sync_vs_async(
+        world, Spec(n_kv_heads=4), dict(dp_shard=1, sp=2), crossing,
+        activation_checkpoint__mode="full"))
     # EP2 over the two data ranks (Qwen3-MoE foundation).
     two = lambda ndp: [C.make_batch(300 + i) for i in range(ndp)]
     _checked(results, "ep2", lambda: _layout_check(
@@ -233,11 +244,14 @@ def test_sp2_gqa_kv_heads_below_degree_with_crossing_documents(two_rank):
     assert out["crosses"] == (True, True), "the batch must cross the SP slice boundary"
 
 
-def test_async_ulysses_matches_sync(two_rank):
+@pytest.mark.parametrize("case, groups", [("sp2_sync_vs_async", 1),
+                                          ("sp2_async_head_groups", 2)])
+def test_async_ulysses_matches_sync(two_rank, case, groups):
     for ranks in two_rank:
-        out = ranks["sp2_sync_vs_async"]
+        out = ranks[case]
         assert "error" not in out, out.get("error")
         assert out["runners"] == ("UlyssesRunner", "AsyncUlyssesRunner")
+        assert out["head_groups"] == groups, out
         assert out["loss_diff"] == 0.0 and out["grad_max_diff"] <= 1e-7, out
 
 

@@ -26,8 +26,15 @@ class Parallelism:
     dp_shard x ulysses. Must divide the attention heads (after GQA repeat)."""
 
     ulysses_async: bool = False
-    """Overlap the q/k/v all-to-alls with the k/v/next projections (and, in backward, the output
-    projection's gradient with its all-to-all). Same numbers as the synchronous variant."""
+    """Overlap the all-to-alls with compute: the heads in groups (``ulysses_async_head_chunks``),
+    each group's exchanges running during another group's attention, forward and backward.
+    Same numbers as the synchronous variant."""
+
+    ulysses_async_head_chunks: int = 0
+    """Async Ulysses only: how many head groups to pipeline. 0 (default): the most of 4 and 2
+    that gives every rank whole q and kv heads in each group, else 1. 1: no groups (only the
+    q/k/v exchanges behind the next projection, the output gradient behind the output
+    projection's weight gradient). A count must divide the heads with ``ulysses_degree``."""
 
     encoder_fsdp_mesh: Literal["plan", "fsdp", "dp_shard", "none"] = "plan"
     """Mesh of the encoders' and decoders' FSDP sharding: "plan" keeps the model spec's choice,

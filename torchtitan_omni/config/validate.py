@@ -107,6 +107,16 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             f"parallelism.expert_capacity_factor must be >= 0 (0: exact dispatch, nothing "
             f"dropped), got {factor}"
         )
+    head_chunks = cfg.parallelism.ulysses_async_head_chunks
+    if head_chunks < 0:
+        raise ConfigError(
+            f"parallelism.ulysses_async_head_chunks must be >= 0 (0: as many as fit), got "
+            f"{head_chunks}")
+    if head_chunks and not cfg.parallelism.ulysses_async:
+        raise ConfigError(
+            f"parallelism.ulysses_async_head_chunks is {head_chunks} but ulysses_async is off: "
+            "only async Ulysses pipelines its heads; set --parallelism.ulysses_async or leave "
+            "it at 0")
     chunks = cfg.parallelism.expert_dispatch_chunks
     if chunks < 1:
         raise ConfigError(f"parallelism.expert_dispatch_chunks must be >= 1, got {chunks}")
@@ -224,7 +234,9 @@ def _validate_model(cfg: JobConfig, degrees: dict[str, int]) -> None:
         if problem:
             raise ConfigError(problem)
     _validate_plan(spec, args, degrees["ulysses_degree"], cfg.parallelism.expert_parallel_degree,
-                   cfg.parallelism.expert_capacity_factor)
+                   cfg.parallelism.expert_capacity_factor,
+                   cfg.parallelism.ulysses_async_head_chunks if cfg.parallelism.ulysses_async
+                   else None)
     _validate_parts(cfg, spec, args, degrees)
     _validate_lora(cfg, spec, args)
 
@@ -266,13 +278,14 @@ def _job_args(spec, cfg: JobConfig):
 
 
 def _validate_plan(spec, args, ulysses_degree: int, ep_degree: int,
-                   capacity_factor: float = 0.0) -> None:
+                   capacity_factor: float = 0.0, async_head_chunks: int | None = None) -> None:
     """The spec's declared plan against the degrees, on the model built on the meta device
-    (catches what a spec's own ``validate_parallelism`` misses)."""
+    (catches what a spec's own ``validate_parallelism`` misses); ``async_head_chunks``:
+    ``parallelism.ulysses_async_head_chunks`` under async Ulysses, else None."""
     if ulysses_degree == 1 and ep_degree == 1 and capacity_factor == 0:
         return
     model = _model_on_meta(spec, args)
-    problem = plan_problem(model, ulysses_degree, ep_degree, capacity_factor)
+    problem = plan_problem(model, ulysses_degree, ep_degree, capacity_factor, async_head_chunks)
     if problem:
         raise ConfigError(problem)
 

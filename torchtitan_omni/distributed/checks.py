@@ -18,6 +18,7 @@ import torch.nn as nn
 from torchtitan_omni.distributed.part_layouts import (
     DECODERS, ENCODER_ONLY, key_name, part_settings)
 from torchtitan_omni.distributed.parallelize import matching_modules
+from torchtitan_omni.distributed.ulysses import head_chunks
 from torchtitan_omni.protocols.modules import OmniEncoder
 
 
@@ -51,8 +52,10 @@ def expert_problem(num_experts: int, degree: int, where: str = "the model") -> s
 
 
 def plan_problem(model: nn.Module, ulysses_degree: int, expert_parallel_degree: int,
-                 capacity_factor: float = 0.0) -> str | None:
-    """The first problem of the model's declared plan at these degrees, or None."""
+                 capacity_factor: float = 0.0, async_head_chunks: int | None = None
+                 ) -> str | None:
+    """The first problem of the model's declared plan at these degrees, or None;
+    ``async_head_chunks``: async Ulysses' head groups (None: synchronous Ulysses)."""
     plan = getattr(model, "parallel_plan", None)
     if plan is None:
         return None
@@ -67,6 +70,11 @@ def plan_problem(model: nn.Module, ulysses_degree: int, expert_parallel_degree: 
             problem = ulysses_problem(attn.n_heads, attn.n_kv_heads, ulysses_degree, name)
             if problem:
                 return problem
+            if async_head_chunks is not None:
+                try:
+                    head_chunks(attn.n_heads, attn.n_kv_heads, ulysses_degree, async_head_chunks)
+                except ValueError as e:
+                    return f"{name}: {e}"
     if expert_parallel_degree > 1:
         experts = matching_modules(model, "", plan.experts)
         if not experts:

@@ -62,6 +62,7 @@ from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.rank_sets import RankSetDims
 from torchtitan_omni.distributed.split_model import split_model
 from torchtitan_omni.modules.moe import GroupedExperts
+from torchtitan_omni.distributed.ulysses import head_chunks as ulysses_head_chunks
 from torchtitan_omni.distributed.ulysses import kv_replication, make_runner
 from torchtitan_omni.lora import apply_lora_config
 from torchtitan_omni.platform import is_cpu
@@ -101,8 +102,9 @@ def _fp32_policy(mp: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
 
 # ----------------------------------------------------------------- Ulysses
 def apply_ulysses(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
-                  async_op: bool) -> list[str]:
-    """Install Ulysses runners on the plan's attention modules; returns their names."""
+                  async_op: bool, head_chunks: int = 0) -> list[str]:
+    """Install Ulysses runners on the plan's attention modules (async: heads pipelined in
+    ``head_chunks`` groups, 0: as many as fit); returns their names."""
     modules = matching_modules(model, "", plan.sequence_parallel_attention)
     if not modules:
         raise ValueError(
@@ -119,9 +121,11 @@ def apply_ulysses(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDi
             )
         try:
             kv_replication(attn.n_heads, attn.n_kv_heads, dims.sp)
+            if async_op:
+                ulysses_head_chunks(attn.n_heads, attn.n_kv_heads, dims.sp, head_chunks)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-        attn.runner = make_runner(group, async_op)
+        attn.runner = make_runner(group, async_op, head_chunks)
     return [n for n, _ in modules]
 
 
@@ -407,9 +411,9 @@ def parallelize_omni(
         logger.info(apply_lora_config(model, job_config.lora).describe())
 
     if dims.sp_enabled:
-        names = apply_ulysses(model, plan, dims, p.ulysses_async)
-        logger.info(f"Ulysses SP{dims.sp} ({'async' if p.ulysses_async else 'sync'}) on "
-                    f"{len(names)} attention modules")
+        names = apply_ulysses(model, plan, dims, p.ulysses_async, p.ulysses_async_head_chunks)
+        runner = model.get_submodule(names[0]).runner
+        logger.info(f"Ulysses SP{dims.sp} ({runner!r}) on {len(names)} attention modules")
     apply_encoder_modes(model, dims, job_config)
 
     expert_names = apply_expert_dispatch(model, plan, dims, job_config)

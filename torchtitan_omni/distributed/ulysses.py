@@ -10,11 +10,18 @@ GQA with fewer kv heads than the degree (or a count it does not divide): kv head
 (``repeat_interleave``, as attention itself pairs them with q heads) until each rank receives
 whole kv heads for its q heads; the repeat's backward sums the copies' gradients.
 
-:class:`AsyncUlyssesRunner` gives the same numbers and overlaps communication with compute:
-q's all-to-all runs during the k projection, k's during the v projection, v's while q and k
-are unpacked; in backward the output projection's input gradient travels while its weight
-gradient is computed, and v's, k's and q's gradient all-to-alls overlap the v, k and q
-projection gradients.
+:class:`AsyncUlyssesRunner` gives the same numbers and overlaps communication with compute.
+With the heads in one group: q's all-to-all runs during the k projection, k's during the v
+projection, v's while q and k are unpacked; in backward the output projection's input
+gradient travels while its weight gradient is computed, and v's, k's and q's gradient
+all-to-alls overlap the v, k and q projection gradients. Those projections are short next to
+the exchanges, so little is hidden. With the heads in ``C`` groups
+(``parallelism.ulysses_async_head_chunks``) the runner pipelines them: group ``c + 1``'s q/k/v
+exchange runs while group ``c`` attends, and group ``c``'s output returns while group ``c + 1``
+attends; in backward each group's gradient exchanges run during another group's attention
+backward. Attention is the long part of a long-context layer, so all but about ``1 / C`` of the
+exchanges can hide behind it. Each group gives every rank whole q heads and their kv heads, so
+``C x degree`` must divide the q heads and the (repeated) kv heads.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch.nn as nn
 
 from torchtitan_omni.compat import has_forward_hooks
 from torchtitan_omni.distributed.comm import (
+    PendingAllToAll,
     ProcessGroup,
     all_to_all,
     all_to_all_linear,
@@ -48,6 +56,32 @@ def kv_replication(n_heads: int, n_kv_heads: int, degree: int) -> int:
             f"Ulysses degree {degree} does not divide the {n_heads} attention heads"
         )
     return degree // math.gcd(n_kv_heads, degree)
+
+
+#: the group counts tried, most first, when ``ulysses_async_head_chunks`` is 0 (automatic)
+AUTO_HEAD_CHUNKS = (4, 2)
+
+
+def head_chunks(n_heads: int, n_kv_heads: int, degree: int, want: int) -> int:
+    """How many head groups the async runner pipelines: ``want``, or with ``want`` 0 the
+    most of :data:`AUTO_HEAD_CHUNKS` that fits, else 1. A count fits when every group gives
+    each of the ``degree`` ranks whole q heads and whole (repeated) kv heads; a ``want`` that
+    does not fit is refused (``ValueError``)."""
+    kv = n_kv_heads * kv_replication(n_heads, n_kv_heads, degree)
+
+    def fits(c: int) -> bool:
+        return n_heads % (c * degree) == 0 and kv % (c * degree) == 0
+
+    if want < 0:
+        raise ValueError(f"parallelism.ulysses_async_head_chunks must be >= 0, got {want}")
+    if want == 0:
+        return next((c for c in AUTO_HEAD_CHUNKS if fits(c)), 1)
+    if not fits(want):
+        raise ValueError(
+            f"parallelism.ulysses_async_head_chunks ({want}) x ulysses_degree ({degree}) must "
+            f"divide the {n_heads} q heads and the {kv} kv heads (after the GQA repeat); "
+            "0 picks the most that fits")
+    return want
 
 
 def _repeat_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
@@ -93,10 +127,21 @@ def _plain_linear(module: nn.Module) -> bool:
 
 
 class AsyncUlyssesRunner(UlyssesRunner):
-    """Ulysses attention with the all-to-alls overlapped (see the module docstring)."""
+    """Ulysses attention with the all-to-alls overlapped (see the module docstring); the heads
+    pipelined in ``head_chunks`` groups (0: as many as fit, :func:`head_chunks`)."""
+
+    def __init__(self, group: ProcessGroup, head_chunks: int = 1) -> None:
+        super().__init__(group)
+        self.head_chunks = head_chunks
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(degree={self.degree}, head_chunks={self.head_chunks})"
 
     def __call__(self, attn: nn.Module, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         rep = self._check(attn, meta, x.shape[1])
+        chunks = head_chunks(attn.n_heads, attn.n_kv_heads, self.degree, self.head_chunks)
+        if chunks > 1:
+            return self._pipelined(attn, x, meta, rep, chunks)
         g = self.group
         q_buf, q_pending = all_to_all_start(attn.project(x, "q", meta), HEAD_DIM, SEQ_DIM, g)
         k = _repeat_kv(attn.project(x, "k", meta), rep)
@@ -112,6 +157,31 @@ class AsyncUlyssesRunner(UlyssesRunner):
         return attn.wo(all_to_all(o, SEQ_DIM, HEAD_DIM, g).flatten(2))
 
 
-def make_runner(group: ProcessGroup, async_op: bool) -> UlyssesRunner:
-    """The Ulysses runner for ``group``: asynchronous (overlapped) or synchronous."""
-    return AsyncUlyssesRunner(group) if async_op else UlyssesRunner(group)
+    def _pipelined(self, attn: nn.Module, x: torch.Tensor, meta: AttentionMeta, rep: int,
+                   chunks: int) -> torch.Tensor:
+        """The heads in ``chunks`` groups, each group's exchanges behind another's attention.
+        The collectives queue in the order they are needed (group 0's q, k, v, each during
+        the next projection, then group 1's, ...), so the first group attends as soon as its
+        own rows have arrived."""
+        g = self.group
+        groups: dict[str, tuple[torch.Tensor, ...]] = {}
+        sent: list[list[tuple[torch.Tensor, PendingAllToAll]]] = [[] for _ in range(chunks)]
+        for which in ("q", "k", "v"):
+            t = attn.project(x, which, meta)
+            groups[which] = (t if which == "q" else _repeat_kv(t, rep)).chunk(chunks, HEAD_DIM)
+            sent[0].append(all_to_all_start(groups[which][0], HEAD_DIM, SEQ_DIM, g))
+        for c in range(1, chunks):
+            sent[c] = [all_to_all_start(groups[w][c], HEAD_DIM, SEQ_DIM, g) for w in "qkv"]
+        returning = []
+        for group_sent in sent:
+            q, k, v = (all_to_all_wait(buf, pending, SEQ_DIM, g) for buf, pending in group_sent)
+            returning.append(all_to_all_start(attn.core(q, k, v, meta), SEQ_DIM, HEAD_DIM, g))
+        o = torch.cat([all_to_all_wait(buf, pending, HEAD_DIM, g) for buf, pending in returning],
+                      dim=HEAD_DIM)
+        return attn.wo(o.flatten(2))
+
+
+def make_runner(group: ProcessGroup, async_op: bool, head_chunks: int = 0) -> UlyssesRunner:
+    """The Ulysses runner for ``group``: asynchronous (overlapped; its heads pipelined in
+    ``head_chunks`` groups, 0: as many as fit) or synchronous."""
+    return AsyncUlyssesRunner(group, head_chunks) if async_op else UlyssesRunner(group)
