@@ -34,6 +34,9 @@ from torchtitan_omni.components.loss import OmniLoss
 from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.parallelize import parallelize_omni
 from torchtitan_omni.distributed.sequence import shard_sequence
+from torchtitan_omni.distributed.ulysses import (
+    NCCL_HIGH_PRIORITY_ENV, prefer_high_priority_exchanges,
+)
 from torchtitan_omni.distributed.ulysses import head_chunks as ulysses_head_chunks
 from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_
 from torchtitan_omni.foundations.llama3 import Llama3, Llama3Args
@@ -191,12 +194,13 @@ def run_config(args, world: int, sp: int, mode: str, device) -> dict:
             "step_s": float(t), "tok_s_gpu": tokens_per_step / float(t) / world, "mem_gib": mem}
 
 
-def table(args, world: int, rows: list[dict], device_name: str) -> str:
+def table(args, world: int, rows: list[dict], device_name: str, priority: str) -> str:
     base = next((r["tok_s_gpu"] for r in rows if r["sp"] == 1), None)
     lines = [
         f"Llama-shaped dim={args.dim} layers={args.layers} heads={args.heads}/{args.kv_heads} "
         f"ffn={args.ffn} vocab={args.vocab}, seq_len={args.seq_len}, AC={args.ac}, "
-        f"{world} x {device_name}, median of {args.steps} steps after {args.warmup}",
+        f"{world} x {device_name}, median of {args.steps} steps after {args.warmup}, "
+        f"{NCCL_HIGH_PRIORITY_ENV}={priority}",
         "",
         "| SP | Ulysses | step (s) | tokens/s/GPU | vs SP1 | peak mem (GiB) |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -214,11 +218,16 @@ def main() -> None:
     device = local_device()
     if not is_cpu():
         torch.cuda.set_device(device)
+    modes = [m.strip() for m in args.modes.split(",")]
+    priority = os.environ.get(NCCL_HIGH_PRIORITY_ENV, "unset")
+    if any(head_groups(m) is not None for m in modes):
+        # as the trainer does for async Ulysses; one process group for every row, so the sync
+        # rows run with the same streams
+        priority = prefer_high_priority_exchanges()
     dist.init_process_group(backend)
     world, rank = dist.get_world_size(), dist.get_rank()
     degrees = [int(s) for s in args.sp.split(",")] if args.sp else \
         [d for d in (1, 2, 4, 8) if world % d == 0 and args.heads % d == 0]
-    modes = [m.strip() for m in args.modes.split(",")]
     rows = []
     for sp in degrees:
         for mode in (modes if sp > 1 else ["sync"]):
@@ -234,7 +243,7 @@ def main() -> None:
                       f"{r['step_s']:.3f} s/step, {r['mem_gib']:.1f} GiB", flush=True)
     name = "CPU (gloo)" if is_cpu() else torch.cuda.get_device_name(device)
     if rank == 0:
-        text = table(args, world, rows, name)
+        text = table(args, world, rows, name, priority)
         print(text)
         if args.out:
             with open(args.out, "w") as f:

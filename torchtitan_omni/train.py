@@ -77,6 +77,9 @@ from torchtitan_omni.distributed.rank_sets import (
     rank_set_dims,
 )
 from torchtitan_omni.distributed.sequence import shard_sequence
+from torchtitan_omni.distributed.ulysses import (
+    NCCL_HIGH_PRIORITY_ENV, prefer_high_priority_exchanges,
+)
 from torchtitan_omni.distributed.utils import (
     all_reduce, all_reduce_on_host, clip_grad_norm_, reduce_moe_counts,
 )
@@ -151,6 +154,11 @@ class OmniTrainer(Trainer):
     # ----------------------------------------------------------------- set-up
     def init_distributed(self) -> OmniParallelDims:
         cfg = self.job_config
+        if cfg.parallelism.ulysses_async and cfg.parallelism.ulysses_degree > 1:
+            # before the process groups exist: their streams are made with them
+            priority = prefer_high_priority_exchanges()
+            logger.info(f"Async Ulysses: NCCL streams of high priority: {priority} "
+                        f"({NCCL_HIGH_PRIORITY_ENV}; 0 keeps the default)")
         world_size = dist_utils.init_distributed(
             cfg.comm, enable_cpu_backend=cfg.training.enable_cpu_offload,
             base_folder=cfg.job.dump_folder,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,7 +12,9 @@ from torchtitan_omni.config.manager import ConfigError, OmniConfigManager
 from torchtitan_omni.config.validate import validate_job_config
 from torchtitan_omni.distributed.checks import expert_problem, plan_problem, ulysses_problem
 from torchtitan_omni.distributed.encoder_sp import split_bounds
-from torchtitan_omni.distributed.ulysses import kv_replication
+from torchtitan_omni.distributed.ulysses import (
+    NCCL_HIGH_PRIORITY_ENV, head_chunks, kv_replication, prefer_high_priority_exchanges,
+)
 from torchtitan_omni.protocols.media_items import slice_items
 
 
@@ -25,6 +29,32 @@ def test_kv_replication_gives_whole_heads():
         assert (kv * rep) % degree == 0 and (heads // kv) % rep == 0, (heads, kv, degree, rep)
     with pytest.raises(ValueError, match="does not divide the 6 attention heads"):
         kv_replication(6, 2, 4)
+
+
+def test_async_head_groups_give_every_rank_whole_heads():
+    # automatic: the most of 4 and 2 that fits, else 1
+    assert head_chunks(32, 8, 2, 0) == 4  # LLaMA#Omni 8B at SP2
+    assert head_chunks(32, 8, 4, 0) == 2  # ... at SP4
+    assert head_chunks(16, 4, 2, 0) == 2
+    assert head_chunks(4, 1, 2, 0) == 1  # kv repeated to 2 heads: one per rank, no groups
+    assert head_chunks(32, 8, 8, 0) == 1
+    for heads, kv, degree in [(32, 8, 2), (32, 8, 4), (16, 4, 2), (4, 4, 2), (12, 4, 2)]:
+        c = head_chunks(heads, kv, degree, 0)
+        rep = kv_replication(heads, kv, degree)
+        assert heads % (c * degree) == 0 and (kv * rep) % (c * degree) == 0, (heads, kv, c)
+    assert head_chunks(32, 8, 2, 2) == 2  # an explicit count that fits is kept
+    with pytest.raises(ValueError, match=r"ulysses_async_head_chunks \(8\) x ulysses_degree "
+                                         r"\(2\) must divide the 32 q heads and the 8 kv"):
+        head_chunks(32, 8, 2, 8)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        head_chunks(32, 8, 2, -1)
+
+
+def test_high_priority_exchanges_unless_the_launch_says(monkeypatch):
+    monkeypatch.delenv(NCCL_HIGH_PRIORITY_ENV, raising=False)
+    assert prefer_high_priority_exchanges() == "1" and os.environ[NCCL_HIGH_PRIORITY_ENV] == "1"
+    monkeypatch.setenv(NCCL_HIGH_PRIORITY_ENV, "0")
+    assert prefer_high_priority_exchanges() == "0" and os.environ[NCCL_HIGH_PRIORITY_ENV] == "0"
 
 
 def test_ulysses_and_expert_messages():

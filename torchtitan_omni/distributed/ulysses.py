@@ -27,6 +27,7 @@ exchanges can hide behind it. Each group gives every rank whole q heads and thei
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -56,6 +57,22 @@ def kv_replication(n_heads: int, n_kv_heads: int, degree: int) -> int:
             f"Ulysses degree {degree} does not divide the {n_heads} attention heads"
         )
     return degree // math.gcd(n_kv_heads, degree)
+
+
+#: read by ``ProcessGroupNCCL`` when it makes its streams: "1" puts collectives on
+#: high-priority streams
+NCCL_HIGH_PRIORITY_ENV = "TORCH_NCCL_HIGH_PRIORITY"
+
+
+def prefer_high_priority_exchanges() -> str:
+    """Ask NCCL for high-priority streams, unless the launch's environment already says
+    (``TORCH_NCCL_HIGH_PRIORITY=0`` keeps the default streams); returns the value in force.
+    Call it before any process group is made. Why: attention kernels fill every SM, and the
+    blocks of an exchange queued on a normal-priority stream wait for SMs to free up, so the
+    exchange runs after the attention it should hide behind; on a high-priority stream its
+    blocks go first (2x H200, NCCL through host memory: head groups 1.04x sync on default
+    streams, 1.12x on high-priority ones)."""
+    return os.environ.setdefault(NCCL_HIGH_PRIORITY_ENV, "1")
 
 
 #: the group counts tried, most first, when ``ulysses_async_head_chunks`` is 0 (automatic)
