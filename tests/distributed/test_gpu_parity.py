@@ -95,6 +95,9 @@ def _checks(world):
              dict(parallelism__encoder_fsdp_mesh="none")),
             ("sp2_async", C.ModelSpec(n_kv_heads=1), dict(dp_shard=world // 2, sp=2),
              dict(parallelism__ulysses_async=True)),
+            # 4 q and 4 kv heads over 2 ranks: the heads pipelined in 2 groups, full AC
+            ("sp2_async_head_groups", C.ModelSpec(n_kv_heads=4), dict(dp_shard=world // 2, sp=2),
+             dict(parallelism__ulysses_async=True, activation_checkpoint__mode="full")),
             ("ep2", C.ModelSpec(moe=True), dict(dp_shard=world, ep=2), {}),
             ("ep2_sp2", C.ModelSpec(moe=True), dict(dp_shard=world // 2, sp=2, ep=2),
              dict(parallelism__ulysses_async=True, parallelism__encoder_fsdp_mesh="dp_shard")),
@@ -131,7 +134,8 @@ def gpu_results():
         ]
 
 
-@pytest.mark.parametrize("name", ["sp2_sync", "sp2_async", "ep2", "ep2_sp2", "ep2_capacity"])
+@pytest.mark.parametrize("name", ["sp2_sync", "sp2_async", "sp2_async_head_groups", "ep2",
+                                  "ep2_sp2", "ep2_capacity"])
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_gpu_parity(gpu_results, name, precision):
     for rank, res in enumerate(gpu_results):
