@@ -11,7 +11,7 @@ layouts (``parallelism.parts``) against the parts the model has, and
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, cast
 
 import torch.nn as nn
 
@@ -72,7 +72,8 @@ def plan_problem(model: nn.Module, ulysses_degree: int, expert_parallel_degree: 
                 return problem
             if async_head_chunks is not None:
                 try:
-                    head_chunks(attn.n_heads, attn.n_kv_heads, ulysses_degree, async_head_chunks)
+                    head_chunks(cast(int, attn.n_heads), cast(int, attn.n_kv_heads),
+                                ulysses_degree, async_head_chunks)
                 except ValueError as e:
                     return f"{name}: {e}"
     if expert_parallel_degree > 1:

@@ -122,7 +122,8 @@ def apply_ulysses(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDi
         try:
             kv_replication(attn.n_heads, attn.n_kv_heads, dims.sp)
             if async_op:
-                ulysses_head_chunks(attn.n_heads, attn.n_kv_heads, dims.sp, head_chunks)
+                ulysses_head_chunks(cast(int, attn.n_heads), cast(int, attn.n_kv_heads),
+                                    dims.sp, head_chunks)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         attn.runner = make_runner(group, async_op, head_chunks)
@@ -369,15 +370,18 @@ def apply_expert_dispatch(model: nn.Module, plan: OmniParallelPlan, dims: OmniPa
         raise ValueError(f"{what} but the model's plan lists no experts modules (or none matches)")
     mesh = dims.get_mesh("ep") if dims.ep > 1 else None
     exchange = job_config.parallelism.expert_exchange
-    sized = factor > 0 or exchange == "nvshmem"
-    tokens = capacity_tokens(job_config, dims.sp) if sized else None
     chunks = job_config.parallelism.expert_dispatch_chunks
     unit = job_config.parallelism.expert_dispatch
+    sized = factor > 0 or exchange == "nvshmem" or unit == "gather"
+    tokens = capacity_tokens(job_config, dims.sp) if sized else None
     apply_expert_parallel(model, names, mesh, factor, tokens, chunks, unit, exchange)
     dispatch = (f"capacity factor {factor} ({tokens} tokens per rank and micro-batch)"
                 if factor > 0 else "exact")
     if unit == "tokens" and dims.ep > 1:
         dispatch += ", each token sent once per rank"
+    if unit == "gather" and dims.ep > 1:
+        dispatch += (f", the group's tokens gathered and the results reduce-scattered ({tokens} "
+                     "tokens per rank and micro-batch)")
     if exchange == "nvshmem" and dims.ep > 1:
         dispatch += f", NVSHMEM exchange with device split sizes (buffers for {tokens} tokens)"
     if chunks > 1 and dims.ep > 1:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
@@ -42,6 +43,9 @@ from torchtitan_omni.distributed.comm import (
     all_to_all_wait,
 )
 from torchtitan_omni.protocols.modules import AttentionMeta
+
+if TYPE_CHECKING:
+    from torchtitan_omni.modules.attention import SelfAttention
 
 SEQ_DIM, HEAD_DIM = 1, 2  # of [B, S, H, D]
 
@@ -156,9 +160,10 @@ class AsyncUlyssesRunner(UlyssesRunner):
 
     def __call__(self, attn: nn.Module, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         rep = self._check(attn, meta, x.shape[1])
-        chunks = head_chunks(attn.n_heads, attn.n_kv_heads, self.degree, self.head_chunks)
+        sa = cast("SelfAttention", attn)
+        chunks = head_chunks(sa.n_heads, sa.n_kv_heads, self.degree, self.head_chunks)
         if chunks > 1:
-            return self._pipelined(attn, x, meta, rep, chunks)
+            return self._pipelined(sa, x, meta, rep, chunks)
         g = self.group
         q_buf, q_pending = all_to_all_start(attn.project(x, "q", meta), HEAD_DIM, SEQ_DIM, g)
         k = _repeat_kv(attn.project(x, "k", meta), rep)
@@ -174,7 +179,7 @@ class AsyncUlyssesRunner(UlyssesRunner):
         return attn.wo(all_to_all(o, SEQ_DIM, HEAD_DIM, g).flatten(2))
 
 
-    def _pipelined(self, attn: nn.Module, x: torch.Tensor, meta: AttentionMeta, rep: int,
+    def _pipelined(self, attn: SelfAttention, x: torch.Tensor, meta: AttentionMeta, rep: int,
                    chunks: int) -> torch.Tensor:
         """The heads in ``chunks`` groups, each group's exchanges behind another's attention.
         The collectives queue in the order they are needed (group 0's q, k, v, each during
