@@ -209,6 +209,8 @@ def _ep(n: int) -> tuple[str, ...]:
 
 #: exact EP dispatch sending each token once per rank (not every routed copy)
 TOKENS = ("--parallelism.expert_dispatch", "tokens")
+#: the exact dispatch gathering the group's tokens (no host read per layer, fixed shapes)
+GATHER = ("--parallelism.expert_dispatch", "gather")
 NVSHMEM = ("--parallelism.expert_exchange", "nvshmem")
 #: the encoders and decoders replicated on every rank (no FSDP of their own)
 REPLICATED = ("--parallelism.encoder_fsdp_mesh", "none")
@@ -633,13 +635,16 @@ def fixed_part_points(ep: int) -> list[Point]:
     activation checkpointing (no recompute: 4 exchanges per layer and step instead of 6) and
     with the NVSHMEM exchange (no host sync per layer), each next to the default points of its
     plan: what part of the step does not grow with tokens (issue 12); also both at once; and
-    with no FSDP unit resharded after its forward (no all-gather in the backward)."""
-    return [Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep{ep}_text_exact_{tag}", MOE, ep, seq,
-                  _layers(12) + flags + _ep(ep), workload="text", estimate_s=80)
-            for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM),
-                               ("no_ac_nvshmem", NO_AC + NVSHMEM),
-                               ("reshard_never", FULL + RESHARD_NEVER))
-            for seq in (8192, 16384)]
+    with no FSDP unit resharded after its forward (no all-gather in the backward); and with the
+    group's tokens gathered (``expert_dispatch = "gather"``: no host read, fixed shapes), eager
+    and compiled (each MoE layer one graph)."""
+    points = [Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep{ep}_text_exact_{tag}", MOE, ep, seq,
+                    _layers(12) + flags + _ep(ep), workload="text", estimate_s=80)
+              for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM),
+                                 ("no_ac_nvshmem", NO_AC + NVSHMEM),
+                                 ("reshard_never", FULL + RESHARD_NEVER), ("gather", FULL + GATHER))
+              for seq in (8192, 16384)]
+    return points + [compiled(p, 70) for p in points if p.name.endswith("_gather")]
 
 
 def moe_2gpu() -> list[Point]:

@@ -143,6 +143,14 @@ def test_validate_job_config_layouts():
     _refused(moe, 2, "'tokens' is exact only, but expert_capacity_factor is 1.25")
     moe.parallelism.expert_capacity_factor = 0.0
     validate_job_config(moe, world_size=2)
+    # the gather dispatch alike
+    moe.parallelism.expert_dispatch = "gather"
+    validate_job_config(moe, world_size=2)
+    moe.parallelism.expert_capacity_factor = 1.25
+    _refused(moe, 2, "'gather' is exact only, but expert_capacity_factor is 1.25")
+    moe.parallelism.expert_capacity_factor, moe.parallelism.expert_parallel_degree = 0.0, 1
+    _refused(moe, 2, "expert_dispatch 'gather' needs expert_parallel_")
+    moe.parallelism.expert_parallel_degree, moe.parallelism.expert_dispatch = 2, "tokens"
     # the NVSHMEM exchange: the exact copies dispatcher under EP, where NVSHMEM runs
     moe.parallelism.expert_exchange = "nvshmem"
     _refused(moe, 2, "expert_exchange 'nvshmem' is for the exact dispatcher of routed copies")

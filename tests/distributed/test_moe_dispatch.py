@@ -22,7 +22,11 @@ and step, as without AC; also when it sends each token once per rank). And the e
 dispatcher sending each token once per rank (``parallelism.expert_dispatch = "tokens"``):
 EP4 and EP2 against one process as above (also with experts nobody routes to, and under AC
 around its exchanges with FSDP-sharded experts), its forward exchange carrying one row per
-(token, rank holding one of its experts)."""
+(token, rank holding one of its experts). And the exact dispatcher gathering the group's
+tokens (``parallelism.expert_dispatch = "gather"``; ranks with 12, 10, 9 and no tokens padded
+to 12; the experts' rows past their groups poisoned with NaN, forward and backward, as grouped
+GEMM may leave them): EP4 and EP2 against one process as above, also with experts nobody
+routes to, and at EP2 compiled as one graph (fullgraph=True)."""
 
 from __future__ import annotations
 
@@ -74,6 +78,35 @@ def _error(a, b) -> float:
     return float((a - b).abs().max()) / scale if b.numel() else 0.0
 
 
+def _tail_poisoned(experts):
+    """``experts`` whose rows past the last group come out NaN and send NaN gradients back:
+    what grouped GEMM may leave there on GPU (unspecified rows), so a dispatcher that lets them
+    reach a result fails on CPU too."""
+    import torch
+
+    from torchtitan_omni.modules.moe import GroupedExperts
+
+    class NanGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, tail):
+            ctx.save_for_backward(tail)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (tail,) = ctx.saved_tensors
+            return torch.where(tail, float("nan"), grad), None
+
+    class TailPoisoned(GroupedExperts):
+        def forward(self, x, counts):
+            tail = (torch.arange(x.shape[0], device=x.device) >= counts.sum()).unsqueeze(1)
+            out = super().forward(NanGradient.apply(x, tail), counts)
+            return torch.where(tail, float("nan"), out)
+
+    experts.__class__ = TailPoisoned
+    return experts
+
+
 def _ep_layer(ref, mesh, factor: float, chunks: int, compiled: bool, rank: int,
               idle: bool = False, unit: str = "copies"):
     """A copy of ``ref`` under EP on ``mesh``, run forward and backward on ``rank``'s inputs."""
@@ -85,7 +118,12 @@ def _ep_layer(ref, mesh, factor: float, chunks: int, compiled: bool, rank: int,
 
     moe = copy.deepcopy(ref)
     shard_experts(moe.experts, mesh)
-    moe.dispatcher = make_dispatcher(E, K, mesh.get_group(), factor, TOKENS, chunks, unit)
+    # the gather dispatch pads every rank's tokens to the most a rank brings (12 here), and
+    # its experts get rows past their groups: poisoned, as grouped GEMM may leave them
+    tokens = max(SIZES) if unit == "gather" else TOKENS
+    moe.dispatcher = make_dispatcher(E, K, mesh.get_group(), factor, tokens, chunks, unit)
+    if unit == "gather":
+        _tail_poisoned(moe.experts)
     x, grad = _inputs(rank, idle)
     if compiled:
         # a fresh cache per case: a recompile for another capacity factor would make dynamo
@@ -209,6 +247,14 @@ TOKEN_CASES = {
     "ep4_exact_tokens": (4, 0.0, False, 1, False),
     "ep2_exact_tokens": (2, 0.0, False, 1, False),
     "ep4_exact_tokens_idle": (4, 0.0, False, 1, True),
+}
+#: the exact dispatcher gathering the group's tokens (``expert_dispatch = "gather"``), also
+#: compiled as one graph (fullgraph: nothing is read on the host)
+GATHER_CASES = {
+    "ep4_exact_gather": (4, 0.0, False, 1, False),
+    "ep2_exact_gather": (2, 0.0, False, 1, False),
+    "ep4_exact_gather_idle": (4, 0.0, False, 1, True),
+    "ep2_exact_gather_compiled": (2, 0.0, True, 1, False),
 }
 
 
@@ -522,6 +568,9 @@ def _all_cases(rank, world):
     for name, (ep, factor, compiled, chunks, idle) in TOKEN_CASES.items():
         results[name] = recorded(_case, rank, world, ep, factor, compiled, chunks, idle,
                                  "tokens")
+    for name, (ep, factor, compiled, chunks, idle) in GATHER_CASES.items():
+        results[name] = recorded(_case, rank, world, ep, factor, compiled, chunks, idle,
+                                 "gather")
     return results
 
 
@@ -530,20 +579,21 @@ def results():
     return run_distributed(_all_cases, 4, timeout=600)
 
 
-@pytest.mark.parametrize("name", sorted(CASES) + sorted(TOKEN_CASES))
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(TOKEN_CASES) + sorted(GATHER_CASES))
 def test_dispatch_matches_one_process(results, name):
     from torchtitan_omni.modules.moe_capacity import capacity
 
-    ep, factor, _, chunks, idle = CASES.get(name) or TOKEN_CASES[name]
+    ep, factor, _, chunks, idle = CASES.get(name) or TOKEN_CASES.get(name) or GATHER_CASES[name]
     for rank, res in enumerate(results):
         out = res[name]
         assert "error" not in out, f"rank {rank}: {out.get('error')}"
-        bad = {k: v for k, v in out["errors"].items() if v > RTOL}
+        bad = {k: v for k, v in out["errors"].items() if not v <= RTOL}  # NaN is bad too
         assert not bad, f"rank {rank}: {bad}"
         assert out["routed"] == out["ref_routed"] and out["dropped"] == out["ref_dropped"], out
         if chunks > 1:
             assert out["dropped"] == out["dropped_1"], out
         expected = ("TokenExpertParallelDispatcher" if name in TOKEN_CASES
+                    else "GatherExpertParallelDispatcher" if name in GATHER_CASES
                     else "ChunkedCapacityExpertParallelDispatcher" if chunks > 1
                     else "CapacityExpertParallelDispatcher" if factor
                     else "ExpertParallelDispatcher")
@@ -634,7 +684,7 @@ def test_ac_around_the_expert_exchanges(results, name):
     for rank, res in enumerate(results):
         out = res[name]
         assert "error" not in out, f"rank {rank}: {out.get('error')}"
-        bad = {k: v for k, v in out["errors"].items() if v > RTOL}
+        bad = {k: v for k, v in out["errors"].items() if not v <= RTOL}  # NaN is bad too
         assert not bad, f"rank {rank}: {bad}"
         assert out["calls"] == per_layer * AC_LAYERS, out
         assert out["ac_calls"] == out["calls"], out
@@ -652,19 +702,19 @@ def test_whole_block_recompute_replays_the_split_sizes(results, unit):
     for rank, res in enumerate(results):
         out = res[f"replay_{unit}"]
         assert "error" not in out, f"rank {rank}: {out.get('error')}"
-        bad = {k: v for k, v in out["errors"].items() if v > RTOL}
+        bad = {k: v for k, v in out["errors"].items() if not v <= RTOL}  # NaN is bad too
         assert not bad, f"rank {rank}: {bad}"
         assert out["plain_reads"] == out["whole_reads"] == AC_LAYERS, out
         assert out["whole_calls"] == out["calls"] + 2 * AC_LAYERS, out
         # compiled in pieces inside the checkpoints, routing changing from step to step: the
         # same, one read per layer and block kind (plain, whole) in the last step, and no
         # recompile after the first step (the pieces compile with dynamic sizes from the start)
-        bad = {k: v for k, v in out["compiled_errors"].items() if v > RTOL}
+        bad = {k: v for k, v in out["compiled_errors"].items() if not v <= RTOL}  # NaN is bad too
         assert not bad, f"rank {rank}: {bad}"
         assert out["compiled_last_reads"] == 2 * AC_LAYERS, out
         assert out["graphs"][0] > 0 and out["graphs"][2] == out["graphs"][0], out
         if unit == "tokens":  # and compiled with sizes specialized until they change
             again = out["recompiling"]
-            bad = {k: v for k, v in again["errors"].items() if v > RTOL}
+            bad = {k: v for k, v in again["errors"].items() if not v <= RTOL}  # NaN is bad too
             assert not bad, f"rank {rank}: {bad}"
             assert again["graphs"][2] > again["graphs"][0], again  # it did recompile

@@ -47,6 +47,11 @@ CASES = {
         "--parallelism.ulysses_degree", "2", "--parallelism.expert_parallel_degree", "2",
         "--parallelism.expert_dispatch", "tokens",
     ),
+    # the exact dispatcher gathering the group's tokens (no host read, fixed shapes)
+    "qwen3_moe_omni:gather": (
+        "--parallelism.ulysses_degree", "2", "--parallelism.expert_parallel_degree", "2",
+        "--parallelism.expert_dispatch", "gather",
+    ),
 }
 
 
@@ -73,6 +78,8 @@ def test_sp_ep_losses_match_single_rank(spec):
         assert "moe: max/mean" in para.output and "dropped 0 (0.00%)" in para.output
     if variant == "tokens":
         assert "each token sent once per rank" in para.output
+    if variant == "gather":
+        assert "the group's tokens gathered and the results reduce-scattered" in para.output
     if model == "qwen3_moe_omni":  # without AC the experts keep their one-rank FSDP unit
         assert ("Experts outside FSDP" in para.output) == (variant == "outside_fsdp")
     for step in range(1, STEPS + 1):

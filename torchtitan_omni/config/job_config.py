@@ -89,15 +89,19 @@ class Parallelism:
     capacity are dropped (their expert output is zero), counted and logged
     (moe/dropped_tokens). See docs/parallelism.md."""
 
-    expert_dispatch: Literal["copies", "tokens"] = "copies"
+    expert_dispatch: Literal["copies", "tokens", "gather"] = "copies"
     """What the exact expert-parallel dispatcher exchanges. "copies" (default): every routed
     copy of a token goes to its expert's rank (top_k rows per token each way). "tokens": a
     token goes once to each rank holding at least one of its experts, and that rank sends back
     one row, the router-weighted sum of its experts' outputs: fewer rows when a token's experts
     share ranks (top 8 of 128 experts on EP4: about 3.6 rows per token instead of 8). Same
     results up to summation order; on one 4x H100 host not faster (0.87x with full AC).
-    Needs expert parallel and the exact dispatcher (expert_capacity_factor 0). See
-    docs/parallelism.md."""
+    "gather": every rank all-gathers the group's tokens, runs its experts over the copies
+    routed to them and reduce-scatters the weighted sums: no split sizes, so no host read per
+    layer and fixed shapes; (ranks - 1) x tokens rows each way per rank; the sorted copies in
+    a worst-case buffer (ranks x tokens x top_k rows). Not yet timed on GPUs.
+    "tokens" and "gather" need expert parallel and the exact dispatcher
+    (expert_capacity_factor 0). See docs/parallelism.md."""
 
     expert_exchange: Literal["nccl", "nvshmem"] = "nccl"
     """How the exact expert-parallel dispatcher (expert_capacity_factor 0, expert_dispatch

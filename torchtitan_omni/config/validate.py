@@ -132,14 +132,15 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             f"{cfg.parallelism.expert_parallel_degree}: without expert parallel there is no "
             "exchange to cut into chunks; set it to 1"
         )
-    if cfg.parallelism.expert_dispatch == "tokens":
+    dispatch = cfg.parallelism.expert_dispatch
+    if dispatch != "copies":
         if cfg.parallelism.expert_parallel_degree < 2:
             raise ConfigError(
-                "parallelism.expert_dispatch 'tokens' needs expert_parallel_degree > 1 (it "
-                "changes what the expert-parallel all-to-all sends; without EP there is none)")
+                f"parallelism.expert_dispatch {dispatch!r} needs expert_parallel_degree > 1 (it "
+                "changes how expert parallel exchanges tokens; without EP there is no exchange)")
         if factor > 0:
             raise ConfigError(
-                f"parallelism.expert_dispatch 'tokens' is exact only, but "
+                f"parallelism.expert_dispatch {dispatch!r} is exact only, but "
                 f"expert_capacity_factor is {factor}: set it to 0, or expert_dispatch to "
                 "'copies'")
     if cfg.parallelism.expert_exchange == "nvshmem":

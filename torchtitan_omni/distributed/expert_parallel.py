@@ -18,13 +18,18 @@ int64 routed copies per expert. Without EP the dispatcher is the identity
   ``torchtitan_omni.distributed.recompute_tape``), sends every token copy to
   its expert's rank (uneven all-to-all), regroups what arrived by local expert, and
   ``combine`` undoes both steps. Nothing is dropped; ``torch.compile`` breaks the block's
-  graph at the host read. With ``parallelism.expert_exchange = "nvshmem"``,
+  graph at the host read. With
+  ``parallelism.expert_exchange = "nvshmem"``,
   :class:`~torchtitan_omni.distributed.expert_device_splits.DeviceSplitExpertParallelDispatcher`
   does the same with the split sizes on the device (no host read). With
   ``parallelism.expert_dispatch = "tokens"``,
   :class:`TokenExpertParallelDispatcher` (``torchtitan_omni.distributed.expert_tokens``) sends
   each token once to every rank holding one of its experts and gets back one weighted sum per
-  token and rank (fewer rows each way when a token's experts share ranks).
+  token and rank (fewer rows each way when a token's experts share ranks). With
+  ``parallelism.expert_dispatch = "gather"``,
+  :class:`~torchtitan_omni.distributed.expert_gather.GatherExpertParallelDispatcher` sends no
+  routed rows: it all-gathers the group's tokens, runs its experts over the copies routed to
+  them and reduce-scatters the weighted sums (no host read, fixed shapes).
 - > 0, capacity-padded: :class:`CapacityExpertParallelDispatcher` gives every (source rank,
   expert) pair a fixed number of slots (``torchtitan_omni.modules.moe_capacity``), so the
   all-to-all has equal, static blocks: no host read (the block's graph still breaks around the
@@ -54,6 +59,7 @@ from torchtitan_omni.distributed.comm import (
     ProcessGroup, all_to_all_blocks, all_to_all_v, exchange_counts,
 )
 from torchtitan_omni.distributed.expert_device_splits import DeviceSplitExpertParallelDispatcher
+from torchtitan_omni.distributed.expert_gather import GatherExpertParallelDispatcher
 from torchtitan_omni.distributed.expert_overlap import ChunkedExchange
 from torchtitan_omni.distributed.expert_tokens import TokenExchange, check_header_fits
 from torchtitan_omni.distributed.recompute_tape import recorded_or_replayed
@@ -256,8 +262,10 @@ def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
     (``torchtitan_omni.distributed.expert_overlap``; the start-up check refuses chunks > 1
     without EP, where there is nothing to exchange; here they leave the local dispatcher
     as it is). ``unit`` (``parallelism.expert_dispatch``): "tokens" sends each token once per
-    rank (``torchtitan_omni.distributed.expert_tokens``; exact dispatch only; without EP it
-    leaves the local dispatcher as it is, like ``chunks``). ``exchange``
+    rank (``torchtitan_omni.distributed.expert_tokens``), "gather" gathers the group's tokens
+    and reduce-scatters the results (``torchtitan_omni.distributed.expert_gather``; needs
+    ``tokens``); both exact dispatch only; without EP they leave the local dispatcher as it
+    is, like ``chunks``. ``exchange``
     (``parallelism.expert_exchange``): "nvshmem" moves the exact dispatcher's rows with split
     sizes on the device (``torchtitan_omni.distributed.expert_device_splits``; needs
     ``tokens``)."""
@@ -266,10 +274,11 @@ def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
     if chunks > 1 and not capacity_factor > 0:
         raise ValueError("expert dispatch chunks > 1 need the capacity-padded dispatcher "
                          "(capacity factor > 0): the exact one reads its splits on the host")
-    if unit not in ("copies", "tokens"):
-        raise ValueError(f"expert dispatch unit must be 'copies' or 'tokens', got {unit!r}")
-    if unit == "tokens" and capacity_factor > 0:
-        raise ValueError("expert dispatch 'tokens' is exact only: capacity factor must be 0")
+    if unit not in ("copies", "tokens", "gather"):
+        raise ValueError(
+            f"expert dispatch unit must be 'copies', 'tokens' or 'gather', got {unit!r}")
+    if unit != "copies" and capacity_factor > 0:
+        raise ValueError(f"expert dispatch {unit!r} is exact only: capacity factor must be 0")
     if capacity_factor > 0:
         if group is None or group.size() == 1:
             return CapacityDispatcher(num_experts, top_k, capacity_factor, tokens)
@@ -281,6 +290,10 @@ def make_dispatcher(num_experts: int, top_k: int, group: ProcessGroup | None,
         return None
     if unit == "tokens":
         return TokenExpertParallelDispatcher(group, num_experts)
+    if unit == "gather":
+        if tokens is None:
+            raise ValueError("the gather expert dispatch needs the tokens per micro-batch")
+        return GatherExpertParallelDispatcher(group, num_experts, tokens)
     if exchange == "nvshmem":
         if tokens is None:
             raise ValueError("the device-split expert exchange needs the tokens per micro-batch")
