@@ -150,6 +150,15 @@ def test_validate_job_config_layouts():
     _refused(moe, 2, "'gather' is exact only, but expert_capacity_factor is 1.25")
     moe.parallelism.expert_capacity_factor, moe.parallelism.expert_parallel_degree = 0.0, 1
     _refused(moe, 2, "expert_dispatch 'gather' needs expert_parallel_")
+    # its buffers are sized by training's micro-batch: a larger validation one is refused
+    moe.parallelism.expert_parallel_degree = 2
+    moe.validation.enable = True
+    moe.validation.seq_len = moe.training.seq_len
+    moe.validation.local_batch_size = moe.training.local_batch_size
+    validate_job_config(moe, world_size=2)
+    moe.validation.local_batch_size = 2 * moe.training.local_batch_size
+    _refused(moe, 2, "expert_dispatch 'gather' sizes its buffers for a training micro-batch")
+    moe.validation.enable = False
     moe.parallelism.expert_parallel_degree, moe.parallelism.expert_dispatch = 2, "tokens"
     # the NVSHMEM exchange: the exact copies dispatcher under EP, where NVSHMEM runs
     moe.parallelism.expert_exchange = "nvshmem"

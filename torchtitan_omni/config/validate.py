@@ -13,6 +13,7 @@ the LLM ranks'), and the ``[lora]`` settings against the model's module names.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import math
 import os
@@ -34,6 +35,7 @@ from torchtitan_omni.data.loader import build_omni_dataloader, check_data_config
 from torchtitan_omni.data.tokenizer import tokenizer_folder
 from torchtitan_omni.distributed.checks import fsdp_unit_problem, parts_problem, plan_problem
 from torchtitan_omni.distributed.expert_device_splits import nvshmem_usable
+from torchtitan_omni.distributed.parallelize import capacity_tokens
 from torchtitan_omni.distributed.rank_sets import encoder_ranks_of
 from torchtitan_omni.errors import ConfigError, OmniInputError
 from torchtitan_omni.lora import apply_lora_config
@@ -145,6 +147,9 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
                 "'copies'")
     if cfg.parallelism.expert_exchange == "nvshmem":
         _check_nvshmem_exchange(cfg, factor)
+    problem = _sized_dispatch_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     if cfg.parallelism.expert_ac_keep_exchanges:
         if cfg.parallelism.expert_parallel_degree < 2:
             raise ConfigError(
@@ -340,6 +345,28 @@ def _validate_lora(cfg: JobConfig, spec, args) -> None:
         apply_lora_config(model, lora)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _sized_dispatch_problem(cfg: JobConfig) -> str | None:
+    """The exact dispatchers whose buffers are sized by the training micro-batch's tokens
+    (``expert_dispatch = "gather"``, ``expert_exchange = "nvshmem"``) cannot take a larger
+    validation micro-batch: the first validation would fail mid-run."""
+    p, v = cfg.parallelism, cfg.validation
+    if not v.enable or p.expert_parallel_degree < 2:
+        return None
+    which = ("expert_dispatch 'gather'" if p.expert_dispatch == "gather"
+             else "expert_exchange 'nvshmem'" if p.expert_exchange == "nvshmem" else None)
+    if which is None:
+        return None
+    train = capacity_tokens(cfg, 1)
+    held_out = capacity_tokens(dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, seq_len=v.seq_len, local_batch_size=v.local_batch_size)), 1)
+    if held_out <= train:
+        return None
+    return (f"parallelism.{which} sizes its buffers for a training micro-batch of {train} "
+            f"tokens, but a validation micro-batch holds up to {held_out} "
+            f"(validation.local_batch_size {v.local_batch_size} x validation.seq_len "
+            f"{v.seq_len}): make validation's micro-batch no larger than training's")
 
 
 def _check_nvshmem_exchange(cfg, factor: float) -> None:
