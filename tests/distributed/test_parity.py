@@ -165,10 +165,11 @@ def _two_ranks(rank, world):
         "crosses": C.crosses_slices(crossing(1)[0][0], 2)})
     _checked(results, "sp2_sync_vs_async", lambda: _sync_vs_async(
         world, Spec(n_kv_heads=1), dict(dp_shard=1, sp=2), crossing))
-    # the heads pipelined in two groups (4 q and 4 kv heads over 2 ranks: the most that fit,
-    # by default), under full AC (the recompute pipelines its exchanges again)
+    # the heads pipelined in two groups (8 q and 4 kv heads over 2 ranks: the most that fit,
+    # by default; each group's q heads read their own kv heads), under full AC (the recompute
+    # pipelines its exchanges again)
     _checked(results, "sp2_async_head_groups", lambda: _sync_vs_async(
-        world, Spec(n_kv_heads=4), dict(dp_shard=1, sp=2), crossing,
+        world, Spec(n_heads=8, n_kv_heads=4), dict(dp_shard=1, sp=2), crossing,
         activation_checkpoint__mode="full"))
     # EP2 over the two data ranks (Qwen3-MoE foundation).
     two = lambda ndp: [C.make_batch(300 + i) for i in range(ndp)]

@@ -151,7 +151,7 @@ class AsyncUlyssesRunner(UlyssesRunner):
     """Ulysses attention with the all-to-alls overlapped (see the module docstring); the heads
     pipelined in ``head_chunks`` groups (0: as many as fit, :func:`head_chunks`)."""
 
-    def __init__(self, group: ProcessGroup, head_chunks: int = 1) -> None:
+    def __init__(self, group: ProcessGroup, head_chunks: int = 0) -> None:
         super().__init__(group)
         self.head_chunks = head_chunks
 
