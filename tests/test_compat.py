@@ -84,6 +84,11 @@ def test_functional_collectives_have_the_signatures_used():
     assert _params(funcol.all_reduce)[:3] == ["self", "reduceOp", "group"]
     assert _params(funcol.all_to_all_single_autograd)[:4] == [
         "self", "output_split_sizes", "input_split_sizes", "group"]
+    # compat.all_gather_traceable and reduce_scatter_traceable pass these positionally
+    for gather in (funcol.all_gather_tensor, funcol.all_gather_tensor_autograd):
+        assert _params(gather)[:3] == ["self", "gather_dim", "group"]
+    assert _params(funcol.reduce_scatter_tensor_autograd)[:4] == [
+        "self", "reduceOp", "scatter_dim", "group"]
     assert callable(funcol.wait_tensor)
     # compat.all_to_all_launch calls the op itself, positionally
     schema = torch.ops._c10d_functional.all_to_all_single.default._schema

@@ -124,6 +124,22 @@ def all_reduce_traceable(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
     return funcol.all_reduce(tensor, reduceOp=op, group=group)
 
 
+def all_gather_traceable(tensor: torch.Tensor, group: dist.ProcessGroup,
+                         differentiable: bool = True) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked along dim 0 in rank order, through torch's functional
+    collectives (traced by ``torch.compile``); ``differentiable``: its backward reduce-scatters
+    the gradient."""
+    gather = funcol.all_gather_tensor_autograd if differentiable else funcol.all_gather_tensor
+    return funcol.wait_tensor(gather(tensor, 0, group))
+
+
+def reduce_scatter_traceable(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``tensor`` summed over the ranks, each keeping its block of dim 0 (rank order), through
+    torch's functional collectives (traced by ``torch.compile``); its backward all-gathers the
+    gradient."""
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor_autograd(tensor, "sum", 0, group))
+
+
 def all_to_all_traceable(tensor: torch.Tensor, group: dist.ProcessGroup,
                          out_splits: list[int] | None = None,
                          in_splits: list[int] | None = None) -> torch.Tensor:

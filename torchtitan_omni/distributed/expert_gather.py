@@ -36,22 +36,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed import _functional_collectives as funcol
 
+from torchtitan_omni.compat import all_gather_traceable, reduce_scatter_traceable
 from torchtitan_omni.distributed.comm import ProcessGroup
 from torchtitan_omni.modules.row_maps import permute_rows, spread_rows, sum_slots
-
-
-def _gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """``[ranks x n, ...]``: every rank's ``x`` in rank order (differentiable: the backward
-    reduce-scatters the gradient)."""
-    return funcol.wait_tensor(funcol.all_gather_tensor_autograd(x, 0, group))
-
-
-def _sum_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """``x`` ``[ranks x n, ...]`` summed over the ranks, each rank keeping its block of ``n``
-    rows (differentiable: the backward all-gathers the gradient)."""
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor_autograd(x, "sum", 0, group))
 
 
 class GatherExpertParallelDispatcher:
@@ -97,10 +85,10 @@ class GatherExpertParallelDispatcher:
             x = torch.cat([x, x.new_zeros(pad, dim)])
             weights = torch.cat([weights, weights.new_zeros(pad, k)])
             indices = torch.cat([indices, indices.new_full((pad, k), -1)])
-        x_all = _gather(x, self.group)  # [R, D], R = ranks x tokens
-        w_all = _gather(weights.to(x.dtype), self.group)  # [R, k]
+        x_all = all_gather_traceable(x, self.group)  # [R, D], R = ranks x tokens
+        w_all = all_gather_traceable(weights.to(x.dtype), self.group)  # [R, k]
         with torch.no_grad():
-            ids = funcol.wait_tensor(funcol.all_gather_tensor(indices, 0, self.group))
+            ids = all_gather_traceable(indices, self.group, differentiable=False)
             mine = ids.reshape(-1) - self.rank * local  # [R * k] local expert ids
             key = torch.where((mine >= 0) & (mine < local), mine, local)  # local: not here
             # this rank's copies grouped by local expert, then the rest (stable: by token)
@@ -117,7 +105,7 @@ class GatherExpertParallelDispatcher:
         y = torch.where(used, experts(rows, counts_local), 0)
         w = permute_rows(w_all.reshape(-1, 1), order, inverse)  # [R * k, 1]
         partial = sum_slots(y * w.to(y.dtype), order, (x_all.shape[0], k), 1)  # [R, D]
-        return _sum_scatter(partial, self.group)[:n]
+        return reduce_scatter_traceable(partial, self.group)[:n]
 
     def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:
         """Nothing is dropped."""
