@@ -99,7 +99,8 @@ class Parallelism:
     "gather": every rank all-gathers the group's tokens, runs its experts over the copies
     routed to them and reduce-scatters the weighted sums: no split sizes, so no host read per
     layer and fixed shapes; (ranks - 1) x tokens rows each way per rank; the sorted copies in
-    a worst-case buffer (ranks x tokens x top_k rows). Not yet timed on GPUs.
+    a worst-case buffer (ranks x tokens x top_k rows, whose elementwise passes grow with the
+    EP degree). Not yet timed on GPUs.
     "tokens" and "gather" need expert parallel and the exact dispatcher
     (expert_capacity_factor 0). See docs/parallelism.md."""
 
