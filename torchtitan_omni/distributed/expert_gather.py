@@ -12,8 +12,9 @@ and pass. This dispatcher sends no routed rows at all:
    sorts them by local expert on the device, and runs its experts over them (grouped GEMM
    whose group sizes are device values: rows past the last group belong to no expert and are
    masked out, forward and backward);
-3. it weighs each copy by its router weight and sums, per gathered token, the copies it
-   computed: one partial output per token of the group;
+3. it puts the outputs back in (token, choice) order and sums each gathered token's copies
+   weighed by their router weights (the MoE layer's own ``combine``; the copies of other
+   ranks' experts are zero here): one partial output per token of the group;
 4. a reduce-scatter adds the partial outputs over the ranks and hands each rank its own
    tokens' rows.
 
@@ -39,7 +40,7 @@ import torch.nn as nn
 
 from torchtitan_omni.compat import all_gather_traceable, reduce_scatter_traceable
 from torchtitan_omni.distributed.comm import ProcessGroup
-from torchtitan_omni.modules.row_maps import permute_rows, spread_rows, sum_slots
+from torchtitan_omni.modules.moe import combine, gather_sorted
 
 
 class GatherExpertParallelDispatcher:
@@ -97,14 +98,13 @@ class GatherExpertParallelDispatcher:
                                        torch.arange(local + 1, device=key.device))
             counts_local = edges[1:] - edges[:-1]
             used = (torch.arange(order.numel(), device=key.device) < edges[-1]).unsqueeze(1)
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=order.device)
         # rows past this rank's copies: zero in, and their outputs and input gradients (which
         # grouped GEMM leaves unspecified past its last group) masked out
-        rows = torch.where(used, spread_rows(x_all, order // k, order, k, 1), 0)
+        rows = torch.where(used, gather_sorted(x_all, order, k), 0)
         y = torch.where(used, experts(rows, counts_local), 0)
-        w = permute_rows(w_all.reshape(-1, 1), order, inverse)  # [R * k, 1]
-        partial = sum_slots(y * w.to(y.dtype), order, (x_all.shape[0], k), 1)  # [R, D]
+        # back in (token, choice) order, each token's copies weighed and summed (the copies of
+        # other ranks' experts are zero here): [R, D]
+        partial = combine(y, order, w_all)
         return reduce_scatter_traceable(partial, self.group)[:n]
 
     def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:
