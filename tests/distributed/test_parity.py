@@ -65,7 +65,6 @@ def _sync_vs_async(world, spec, dims_kw, batches_fn, **job_kw):
     """Gradients and losses of sync and async Ulysses (both with ``job_kw`` settings) on the
     same batch: max abs difference, and the head groups the async runner pipelined."""
     from tests.distributed import common as C
-    from torchtitan_omni.distributed.ulysses import head_chunks
 
     out = {}
     for mode in (False, True):
@@ -77,8 +76,7 @@ def _sync_vs_async(world, spec, dims_kw, batches_fn, **job_kw):
         attn = model.llm.layers["0"].attention
         out[mode] = (C.parallel_step(model, dims, *batches_fn(ndp)[dp]), C.full_grads(model),
                      type(attn.runner).__name__)
-        groups = (head_chunks(attn.n_heads, attn.n_kv_heads, dims.sp, attn.runner.head_chunks)
-                  if mode else None)
+        groups = attn.runner.head_chunks if mode else None  # as the runner resolved them
     (l0, g0, r0), (l1, g1, r1) = out[False], out[True]
     diff = max((g0[n] - g1[n]).abs().max().item() for n in g0 if g0[n] is not None)
     return {"runners": (r0, r1), "grad_max_diff": diff, "head_groups": groups,

@@ -62,7 +62,6 @@ from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.rank_sets import RankSetDims
 from torchtitan_omni.distributed.split_model import split_model
 from torchtitan_omni.modules.moe import GroupedExperts
-from torchtitan_omni.distributed.ulysses import head_chunks as ulysses_head_chunks
 from torchtitan_omni.distributed.ulysses import kv_replication, make_runner
 from torchtitan_omni.lora import apply_lora_config
 from torchtitan_omni.platform import is_cpu
@@ -121,12 +120,9 @@ def apply_ulysses(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDi
             )
         try:
             kv_replication(attn.n_heads, attn.n_kv_heads, dims.sp)
-            if async_op:
-                ulysses_head_chunks(cast(int, attn.n_heads), cast(int, attn.n_kv_heads),
-                                    dims.sp, head_chunks)
+            attn.runner = make_runner(attn, group, async_op, head_chunks)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-        attn.runner = make_runner(group, async_op, head_chunks)
     return [n for n, _ in modules]
 
 

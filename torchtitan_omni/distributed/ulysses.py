@@ -149,10 +149,14 @@ def _plain_linear(module: nn.Module) -> bool:
 
 class AsyncUlyssesRunner(UlyssesRunner):
     """Ulysses attention with the all-to-alls overlapped (see the module docstring); the heads
-    pipelined in ``head_chunks`` groups (0: as many as fit, :func:`head_chunks`)."""
+    pipelined in ``head_chunks`` groups (a count :func:`head_chunks` resolved for the
+    attention module it serves; 1: no groups)."""
 
-    def __init__(self, group: ProcessGroup, head_chunks: int = 0) -> None:
+    def __init__(self, group: ProcessGroup, head_chunks: int = 1) -> None:
         super().__init__(group)
+        if head_chunks < 1:
+            raise ValueError(f"AsyncUlyssesRunner needs a resolved head-group count (>= 1), got "
+                             f"{head_chunks}: see head_chunks()")
         self.head_chunks = head_chunks
 
     def __repr__(self) -> str:
@@ -160,10 +164,8 @@ class AsyncUlyssesRunner(UlyssesRunner):
 
     def __call__(self, attn: nn.Module, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         rep = self._check(attn, meta, x.shape[1])
-        sa = cast("SelfAttention", attn)
-        chunks = head_chunks(sa.n_heads, sa.n_kv_heads, self.degree, self.head_chunks)
-        if chunks > 1:
-            return self._pipelined(sa, x, meta, rep, chunks)
+        if self.head_chunks > 1:
+            return self._pipelined(cast("SelfAttention", attn), x, meta, rep, self.head_chunks)
         g = self.group
         q_buf, q_pending = all_to_all_start(attn.project(x, "q", meta), HEAD_DIM, SEQ_DIM, g)
         k = _repeat_kv(attn.project(x, "k", meta), rep)
@@ -203,7 +205,13 @@ class AsyncUlyssesRunner(UlyssesRunner):
         return attn.wo(o.flatten(2))
 
 
-def make_runner(group: ProcessGroup, async_op: bool, head_chunks: int = 0) -> UlyssesRunner:
-    """The Ulysses runner for ``group``: asynchronous (overlapped; its heads pipelined in
-    ``head_chunks`` groups, 0: as many as fit) or synchronous."""
-    return AsyncUlyssesRunner(group, head_chunks) if async_op else UlyssesRunner(group)
+def make_runner(attn: nn.Module, group: ProcessGroup, async_op: bool,
+                groups: int = 0) -> UlyssesRunner:
+    """The Ulysses runner of ``attn`` over ``group``: synchronous, or asynchronous (overlapped)
+    with its heads pipelined in ``groups`` head groups (``ulysses_async_head_chunks``: 0 as
+    many as fit; a count that does not fit ``attn``'s heads is refused, :func:`head_chunks`),
+    resolved here once."""
+    if not async_op:
+        return UlyssesRunner(group)
+    sa = cast("SelfAttention", attn)
+    return AsyncUlyssesRunner(group, head_chunks(sa.n_heads, sa.n_kv_heads, group.size(), groups))
