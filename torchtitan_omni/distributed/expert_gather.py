@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from torchtitan_omni.compat import all_gather_traceable, reduce_scatter_traceable
 from torchtitan_omni.distributed.comm import ProcessGroup
-from torchtitan_omni.modules.moe import combine, gather_sorted
+from torchtitan_omni.modules.moe import combine, gather_sorted, sort_by_expert
 
 
 class GatherExpertParallelDispatcher:
@@ -93,11 +93,10 @@ class GatherExpertParallelDispatcher:
             mine = ids.reshape(-1) - self.rank * local  # [R * k] local expert ids
             key = torch.where((mine >= 0) & (mine < local), mine, local)  # local: not here
             # this rank's copies grouped by local expert, then the rest (stable: by token)
-            order = torch.argsort(key, stable=True)
-            edges = torch.searchsorted(key.index_select(0, order),
-                                       torch.arange(local + 1, device=key.device))
-            counts_local = edges[1:] - edges[:-1]
-            used = (torch.arange(order.numel(), device=key.device) < edges[-1]).unsqueeze(1)
+            order, per_key = sort_by_expert(key, local + 1)
+            counts_local = per_key[:local]
+            used = (torch.arange(order.numel(), device=key.device)
+                    < counts_local.sum()).unsqueeze(1)
         # rows past this rank's copies: zero in, and their outputs and input gradients (which
         # grouped GEMM leaves unspecified past its last group) masked out
         rows = torch.where(used, gather_sorted(x_all, order, k), 0)
