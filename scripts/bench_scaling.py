@@ -679,7 +679,10 @@ def moe_2gpu() -> list[Point]:
     long = [point(32768, w, layout="sp2_ep2", extra=_sp(2), steps=6, warmup=2, estimate_s=120)
             for w in ("text", "realistic")]
     # the step's part that does not grow with tokens, next to the 8K and 16K text points
-    return (eager + [point(16384, "text", steps=8)] + [compiled(p, 70) for p in eager[::2]]
+    text16 = point(16384, "text", steps=8)
+    # the 16K text point compiled too: the compiled gather points' fixed part needs a compiled
+    # default pair beside it
+    return (eager + [text16] + [compiled(p, 70) for p in eager[::2]] + [compiled(text16, 70)]
             + log10 + long + fixed_part_points(2))
 
 
