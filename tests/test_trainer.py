@@ -242,10 +242,12 @@ def test_ulysses_async_head_chunks_checked(check_here):
     line = _one_error_line(check_here(["--parallelism.ulysses_async",
                                        "--parallelism.ulysses_async_head_chunks", "-1"]))
     assert "parallelism.ulysses_async_head_chunks must be >= 0" in line
-    # without Ulysses the key would do nothing: refused, not ignored
+    # without Ulysses both keys would do nothing: refused, not ignored
     line = _one_error_line(check_here(["--parallelism.ulysses_async",
                                        "--parallelism.ulysses_async_head_chunks", "2"]))
-    assert "ulysses_async_head_chunks is 2 but ulysses_degree is 1" in line
+    assert "ulysses_async is set but ulysses_degree is 1" in line
+    line = _one_error_line(check_here(["--parallelism.ulysses_async"]))
+    assert "ulysses_async is set but ulysses_degree is 1" in line
     # a count whose groups would split heads between ranks: named with the attention module
     line = _one_error_line(check_here(["--parallelism.ulysses_degree", "2",
                                        "--parallelism.ulysses_async",

@@ -119,11 +119,11 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             f"parallelism.ulysses_async_head_chunks is {head_chunks} but ulysses_async is off: "
             "only async Ulysses pipelines its heads; set --parallelism.ulysses_async or leave "
             "it at 0")
-    if head_chunks and cfg.parallelism.ulysses_degree < 2:
+    if cfg.parallelism.ulysses_async and degrees["ulysses_degree"] < 2:
         raise ConfigError(
-            f"parallelism.ulysses_async_head_chunks is {head_chunks} but ulysses_degree is "
-            f"{cfg.parallelism.ulysses_degree}: without Ulysses there is no exchange to "
-            "pipeline; leave it at 0")
+            f"parallelism.ulysses_async is set but ulysses_degree is "
+            f"{degrees['ulysses_degree']}: without Ulysses there is no exchange to overlap; "
+            "set --parallelism.ulysses_degree 2 or more, or drop --parallelism.ulysses_async")
     chunks = cfg.parallelism.expert_dispatch_chunks
     if chunks < 1:
         raise ConfigError(f"parallelism.expert_dispatch_chunks must be >= 1, got {chunks}")
