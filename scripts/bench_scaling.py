@@ -545,10 +545,12 @@ def moe_4gpu() -> list[Point]:
         Point("moe_30B-A3B_12L_8k_ep4_toy_exact_encoder_ac_every_call", MOE, 4, 8192,
               cut + _ep(4) + EVERY_ENCODER_CALL_AC, workload="toy", estimate_s=80),
         # the exact dispatcher compiled (blocks in pieces at the split-size reads): the
-        # encoders' compiled blocks against their eager host time on the toy rows
-        *[compiled(Point(f"moe_30B-A3B_12L_8k_ep4_{workload}_exact", MOE, 4, 8192,
+        # encoders' compiled blocks against their eager host time on the toy rows; text at 16K
+        # too (the compiled step's fixed part, beside the compiled gather pair)
+        *[compiled(Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep4_{workload}_exact", MOE, 4, seq,
                          cut + _ep(4), workload=workload, estimate_s=80), 70)
-          for workload in ("text", "toy", "realistic", "long_text")],
+          for seq, workload in ((8192, "text"), (16384, "text"), (8192, "toy"),
+                                (8192, "realistic"), (8192, "long_text"))],
         # full AC around the expert exchanges (no all-to-all in the recompute)
         Point("moe_30B-A3B_12L_8k_ep4_text_exact_keep_exchanges", MOE, 4, 8192,
               cut + _ep(4) + KEEP_EXCHANGES, workload="text",
