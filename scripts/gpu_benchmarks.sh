@@ -14,7 +14,8 @@
 # (logs.tar.gz, or logs_2.tar.gz for a second run in the same call; a device call brings back
 # at most 8 files), the summaries of profiled steps
 # (scripts/summarize_trace.py, every rank's: where one rank idles, another may be the slow one)
-# into traces.txt; the tables are printed last.
+# into traces.txt, with the fixed part of a point profiled at 8K and at 16K (the same name
+# otherwise: what of its step does not grow with tokens); the tables are printed last.
 #
 # EXTRA="<arguments>" appends trainer arguments to every point (bench_scaling.py --extra), e.g.
 # EXTRA="--profiling.enable_profiling --profiling.profile_freq 20" with a 30-step point profiles
@@ -99,6 +100,14 @@ for trace in outputs/bench_*/profile_traces/*/rank*_trace.json; do  # every rank
     mkdir -p "$logs/traces" && gzip -c "$trace" > "$logs/traces/${point%%/*}_${trace##*/}.gz"
   fi
 done
+# a point profiled at 8K and at 16K (names otherwise equal, same step): what of its step does
+# not grow with tokens, per rank (summarize_trace.py --fixed-part), after the summaries
+for small in outputs/bench_*_8k_*/profile_traces/*/rank*_trace.json; do
+  [ -f "$small" ] || continue
+  large=${small/_8k_/_16k_}
+  [ -f "$large" ] || continue
+  python3 scripts/summarize_trace.py --top 15 --fixed-part "$small" "$large" >> "$out/traces.txt"
+done
 if [ -d "$logs/traces" ]; then
   tar -cf "$out/traces.tar" -C "$logs/traces" . 2>/dev/null
   size=$(stat -c %s "$out/traces.tar")
@@ -118,6 +127,6 @@ for table in "$out"/baseline_*.md; do
 done
 # each profiled step's headline and timeline by part (the whole summaries are in traces.txt)
 if [ -f "$out/traces.txt" ]; then
-  echo "== $out/traces.txt (by part)"
-  awk '/^[^ ]/ {print; show=0} /^  by part/ {show=1} show' "$out/traces.txt"
+  echo "== $out/traces.txt (by part, and the fixed parts)"
+  awk '/^[^ ]/ {print; show=0} /^  by part/ {show=1} /^fixed part/ {show=1; next} show' "$out/traces.txt"
 fi

@@ -16,6 +16,11 @@ Traces come from TorchTitan's profiler, e.g. ``--profiling.enable_profiling
 --profiling.profile_freq 6`` writes ``<dump_folder>/profile_traces/iteration_6/rank0_trace.json``.
 
     python3 scripts/summarize_trace.py outputs/x/profile_traces/iteration_6/rank0_trace.json
+
+``--fixed-part SMALL LARGE`` compares one point profiled at one and at twice the tokens per step
+(8K and 16K rows, same layout, same rank): per kind and per kernel, the time that does not grow
+with tokens, 2 x small - large (what a step of no tokens would still spend), and the same for
+the step's GPU span, its compute time and its idle time.
 """
 
 from __future__ import annotations
@@ -46,29 +51,54 @@ def kind(name: str) -> str:
     return "other"
 
 
-def summarize(path: str, top: int = 20) -> str:
+def load_events(path: str) -> list[dict]:
+    """The trace's events."""
     with open(path) as f:
-        events = json.load(f)["traceEvents"]
+        return json.load(f)["traceEvents"]
+
+
+def step_kernels(events: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The profiled step's own kernels and those queued before the trace opened.
+
+    A kernel whose launch call is not in the trace was queued before it opened: the previous
+    step's tail (its optimizer, say), still running when this step's recording began. Where
+    the trace records no launches at all, every kernel counts as the step's own."""
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    # The profiler's warm-up steps leave ProfilerStep spans but no kernels: the window of the
-    # recorded kernels is the profiled GPU time.
-    start = min(e["ts"] for e in kernels)
-    wall_us = max(e["ts"] + e["dur"] for e in kernels) - start
-    # A kernel whose launch call is not in the trace was queued before it opened: the previous
-    # step's tail (its optimizer, say), still running when this step's recording began. Kinds
-    # and top kernels count this step's launches only (all kernels where no launch is recorded).
     launches = launch_calls(events)
     queued = [e for e in kernels if launches and _correlation(e) not in launches]
     own = [e for e in kernels if not launches or _correlation(e) in launches]
+    return own, queued
+
+
+def kernel_times(kernels: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
+    """Kernel time (us) by kind and by name (its first 90 characters)."""
     by_name: dict[str, float] = defaultdict(float)
     by_kind: dict[str, float] = defaultdict(float)
-    for e in own:
+    for e in kernels:
         by_name[e["name"][:90]] += e["dur"]
         by_kind[kind(e["name"])] += e["dur"]
-    comm = sum(e["dur"] for e in kernels if kind(e["name"]) == "communication")
-    busy = _union(
+    return by_kind, by_name
+
+
+def compute_busy(kernels: list[dict]) -> float:
+    """Time (us) in which at least one non-communication kernel ran."""
+    return _union(
         [(e["ts"], e["ts"] + e["dur"]) for e in kernels if kind(e["name"]) != "communication"]
     )
+
+
+def summarize(path: str, top: int = 20) -> str:
+    events = load_events(path)
+    own, queued = step_kernels(events)
+    kernels = own + queued
+    # The profiler's warm-up steps leave ProfilerStep spans but no kernels: the window of the
+    # recorded kernels is the profiled GPU time. Kinds and top kernels count this step's
+    # launches only.
+    start = min(e["ts"] for e in kernels)
+    wall_us = max(e["ts"] + e["dur"] for e in kernels) - start
+    by_kind, by_name = kernel_times(own)
+    comm = sum(e["dur"] for e in kernels if kind(e["name"]) == "communication")
+    busy = compute_busy(kernels)
     lines = [f"{path}: GPU window {wall_us / 1e3:.1f} ms, compute kernels busy {busy / 1e3:.1f} ms "
              f"({100 * busy / wall_us:.0f}%), communication kernels {comm / 1e3:.1f} ms (their own "
              "stream, overlapping)"]
@@ -437,13 +467,58 @@ def host_by_part(events: list[dict], top: int = 6) -> list[str]:
     return out
 
 
+def fixed_part(small: str, large: str, top: int = 12) -> str:
+    """What of a step does not grow with its tokens: ``small`` and ``large`` are the same
+    point's step profiled at one and at twice the tokens per step (same layout and rank). A
+    time t that grows linearly with tokens is t = fixed + per_token x tokens, so its fixed part
+    is 2 x t(small) - t(large): per kernel kind, per kernel, and for the step's GPU span (its
+    own kernels' first start to last end), compute time and idle time. The kernels queued
+    before a trace opened (the previous step's tail) are left out of both."""
+    rows: list[tuple[str, float, float]] = []
+    names: list[dict[str, float]] = []
+    for path in (small, large):
+        own, _ = step_kernels(load_events(path))
+        span = max(e["ts"] + e["dur"] for e in own) - min(e["ts"] for e in own)
+        busy = compute_busy(own)
+        by_kind, by_name = kernel_times(own)
+        rows.append((path, span, busy))
+        names.append({**{f"[{k}]": v for k, v in by_kind.items()}, **by_name})
+    (_, span_s, busy_s), (_, span_l, busy_l) = rows
+
+    def line(label: str, a: float, b: float) -> str:
+        return (f"  {a / 1e3:9.1f} {b / 1e3:9.1f} {(2 * a - b) / 1e3:9.1f} {(b - a) / 1e3:9.1f}"
+                f"  {label}")
+
+    lines = [f"fixed part (2 x small - large) of {small} against {large}:",
+             f"  {'small':>9} {'large':>9} {'fixed':>9} {'grows':>9}  (ms; grows: large - small, "
+             "what the small step's tokens cost)",
+             line("GPU span of the step's own kernels", span_s, span_l),
+             line("compute busy", busy_s, busy_l),
+             line("idle (span - compute busy)", span_s - busy_s, span_l - busy_l)]
+    kinds = sorted((k for k in set(names[0]) | set(names[1]) if k.startswith("[")),
+                   key=lambda k: -(2 * names[0].get(k, 0.0) - names[1].get(k, 0.0)))
+    lines += [line(f"kind {k}", names[0].get(k, 0.0), names[1].get(k, 0.0)) for k in kinds]
+    kernels = [k for k in set(names[0]) | set(names[1]) if not k.startswith("[")]
+    kernels.sort(key=lambda k: -abs(2 * names[0].get(k, 0.0) - names[1].get(k, 0.0)))
+    lines.append(f"  kernels with the largest fixed parts (a kernel in one trace only: compiled "
+                 f"kernels can differ between shapes), top {top}:")
+    lines += [line(k, names[0].get(k, 0.0), names[1].get(k, 0.0)) for k in kernels[:top]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("traces", nargs="+")
+    p.add_argument("traces", nargs="*")
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--fixed-part", nargs=2, metavar=("SMALL", "LARGE"),
+                   help="one point's step at one and at twice the tokens: what does not grow")
     args = p.parse_args()
+    if not args.traces and not args.fixed_part:
+        p.error("give traces to summarize, or --fixed-part SMALL LARGE")
     for path in args.traces:
         print(summarize(path, args.top))
+    if args.fixed_part:
+        print(fixed_part(*args.fixed_part, top=args.top))
 
 
 if __name__ == "__main__":

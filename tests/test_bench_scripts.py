@@ -695,3 +695,53 @@ def test_trace_summary_leaves_the_previous_steps_tail_out_of_its_kernel_totals(t
     top = text.split("top kernels:")[1].splitlines()
     assert "3.0 ms  " + adam in top[2] and "10.0 ms  nvjet_sm90_gemm" in top[1]
     assert "matmul              10.0 ms" in text and "other                3.0 ms" in text
+
+
+def test_trace_fixed_part_of_two_token_counts(tmp_path):
+    """``--fixed-part``: the same step at 1x and 2x the tokens; what does not grow is 2 x small -
+    large, per kind, per kernel and for the step's span, compute and idle time (issue 12: the
+    MoE step's fixed part, placed by kernel); the previous step's tail is left out."""
+    trace = _script("summarize_trace")
+
+    def step(path, scale):
+        events, t, corr = [], 0, 0
+        # the previous step's tail: no launch call in the trace
+        events.append({"name": "nvjet_gemm", "cat": "kernel", "ts": 0, "dur": 50_000,
+                       "args": {"correlation": 999}})
+        t = 50_000
+        for name, dur, gap in (("nvjet_gemm", 10_000 * scale, 1_000),
+                               ("ncclDevKernel_AllGather_RING_LL", 2_000 * scale, 0),
+                               ("triton_poi_fused_where_7", 3_000 * scale, 0),
+                               (f"triton_red_fused_sum_{scale}", 1_000, 0),
+                               ("multi_tensor_apply_kernel", 5_000, 4_000)):
+            corr += 1
+            t += gap
+            events.append({"name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": t - 1,
+                           "dur": 1, "args": {"correlation": corr}})
+            events.append({"name": name, "cat": "kernel", "ts": t, "dur": dur,
+                           "args": {"correlation": corr}})
+            # the all-gather on its own stream, overlapping the next kernel
+            t += 0 if name.startswith("nccl") else dur
+        path.write_text(json.dumps({"traceEvents": events}))
+        return str(path)
+
+    small, large = step(tmp_path / "8k.json", 1), step(tmp_path / "16k.json", 2)
+    text = trace.fixed_part(small, large)
+    rows = {line.split("  ")[-1].strip(): [float(v) for v in line.split()[:4]]
+            for line in text.splitlines()[2:] if line.strip()[:1].isdigit()}
+    # compute: gemm 10/20, where 3/6, sum 1/1, AdamW 5/5 (the tail's 50 ms left out)
+    assert rows["compute busy"] == [19.0, 32.0, 6.0, 13.0]
+    # span: from the first own kernel (after the tail's 1 ms gap): compute 19 + the 4 ms gap
+    # before AdamW = 23 (small), 36 (large)
+    assert rows["GPU span of the step's own kernels"] == [23.0, 36.0, 10.0, 13.0]
+    assert rows["idle (span - compute busy)"] == [4.0, 4.0, 4.0, 0.0]
+    assert rows["kind [matmul]"] == [10.0, 20.0, 0.0, 10.0]
+    assert rows["kind [communication]"] == [2.0, 4.0, 0.0, 2.0]
+    assert rows["kind [other]"] == [9.0, 12.0, 6.0, 3.0]
+    assert rows["multi_tensor_apply_kernel"] == [5.0, 5.0, 5.0, 0.0]
+    # a compiled kernel named differently at the two shapes shows in one trace only
+    assert rows["triton_red_fused_sum_1"] == [1.0, 0.0, 2.0, -1.0]
+    assert rows["triton_red_fused_sum_2"] == [0.0, 1.0, -1.0, 1.0]
+    out = subprocess.run([sys.executable, "scripts/summarize_trace.py", "--fixed-part", small,
+                          large], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and "fixed part (2 x small - large)" in out.stdout, out.stderr
