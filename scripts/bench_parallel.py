@@ -35,9 +35,8 @@ from torchtitan_omni.distributed.parallel_dims import OmniParallelDims
 from torchtitan_omni.distributed.parallelize import parallelize_omni
 from torchtitan_omni.distributed.sequence import shard_sequence
 from torchtitan_omni.distributed.ulysses import (
-    NCCL_HIGH_PRIORITY_ENV, prefer_high_priority_exchanges,
+    NCCL_HIGH_PRIORITY_ENV, AsyncUlyssesRunner, prefer_high_priority_exchanges,
 )
-from torchtitan_omni.distributed.ulysses import head_chunks as ulysses_head_chunks
 from torchtitan_omni.distributed.utils import all_reduce, clip_grad_norm_
 from torchtitan_omni.foundations.llama3 import Llama3, Llama3Args
 from torchtitan_omni.omni_model import OmniModel
@@ -184,12 +183,15 @@ def run_config(args, world: int, sp: int, mode: str, device) -> dict:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     tokens_per_step = dims.dp_shard * args.seq_len  # each SP group trains one sequence
     mem = 0.0 if is_cpu() else torch.cuda.max_memory_allocated() / 2**30
+    # the head groups the async runner resolved when it was installed
+    runner = next((m.runner for m in model.modules()
+                   if isinstance(getattr(m, "runner", None), AsyncUlyssesRunner)), None)
+    if runner is not None:
+        groups = runner.head_chunks
+        mode = f"async, {groups} head group{'s' if groups > 1 else ''}"
     del model, opt
     if not is_cpu():
         torch.cuda.empty_cache()
-    if sp > 1 and head_groups(mode) is not None:  # the groups the runner resolved
-        groups = ulysses_head_chunks(args.heads, args.kv_heads, sp, head_groups(mode))
-        mode = f"async, {groups} head group{'s' if groups > 1 else ''}"
     return {"sp": sp, "mode": mode if sp > 1 else "-",
             "step_s": float(t), "tok_s_gpu": tokens_per_step / float(t) / world, "mem_gib": mem}
 
