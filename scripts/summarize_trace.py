@@ -474,20 +474,23 @@ def fixed_part(small: str, large: str, top: int = 12) -> str:
     is 2 x t(small) - t(large): per kernel kind, per kernel, and for the step's GPU span (its
     own kernels' first start to last end), compute time and idle time. The kernels queued
     before a trace opened (the previous step's tail) are left out of both."""
-    rows: list[tuple[str, float, float]] = []
-    names: list[dict[str, float]] = []
+    steps = []
     for path in (small, large):
         own, _ = step_kernels(load_events(path))
         span = max(e["ts"] + e["dur"] for e in own) - min(e["ts"] for e in own)
-        busy = compute_busy(own)
-        by_kind, by_name = kernel_times(own)
-        rows.append((path, span, busy))
-        names.append({**{f"[{k}]": v for k, v in by_kind.items()}, **by_name})
-    (_, span_s, busy_s), (_, span_l, busy_l) = rows
+        steps.append((span, compute_busy(own), *kernel_times(own)))
+    (span_s, busy_s, kind_s, name_s), (span_l, busy_l, kind_l, name_l) = steps
 
     def line(label: str, a: float, b: float) -> str:
         return (f"  {a / 1e3:9.1f} {b / 1e3:9.1f} {(2 * a - b) / 1e3:9.1f} {(b - a) / 1e3:9.1f}"
                 f"  {label}")
+
+    def by_fixed(a: dict[str, float], b: dict[str, float], magnitude: bool) -> list[str]:
+        """The keys of either trace, largest fixed part first (by size where ``magnitude``)."""
+        def fixed(k: str) -> float:
+            f = 2 * a.get(k, 0.0) - b.get(k, 0.0)
+            return abs(f) if magnitude else f
+        return sorted(set(a) | set(b), key=lambda k: -fixed(k))
 
     lines = [f"fixed part (2 x small - large) of {small} against {large}:",
              f"  {'small':>9} {'large':>9} {'fixed':>9} {'grows':>9}  (ms; grows: large - small, "
@@ -495,14 +498,12 @@ def fixed_part(small: str, large: str, top: int = 12) -> str:
              line("GPU span of the step's own kernels", span_s, span_l),
              line("compute busy", busy_s, busy_l),
              line("idle (span - compute busy)", span_s - busy_s, span_l - busy_l)]
-    kinds = sorted((k for k in set(names[0]) | set(names[1]) if k.startswith("[")),
-                   key=lambda k: -(2 * names[0].get(k, 0.0) - names[1].get(k, 0.0)))
-    lines += [line(f"kind {k}", names[0].get(k, 0.0), names[1].get(k, 0.0)) for k in kinds]
-    kernels = [k for k in set(names[0]) | set(names[1]) if not k.startswith("[")]
-    kernels.sort(key=lambda k: -abs(2 * names[0].get(k, 0.0) - names[1].get(k, 0.0)))
+    lines += [line(f"kind [{k}]", kind_s.get(k, 0.0), kind_l.get(k, 0.0))
+              for k in by_fixed(kind_s, kind_l, magnitude=False)]
     lines.append(f"  kernels with the largest fixed parts (a kernel in one trace only: compiled "
                  f"kernels can differ between shapes), top {top}:")
-    lines += [line(k, names[0].get(k, 0.0), names[1].get(k, 0.0)) for k in kernels[:top]]
+    lines += [line(k, name_s.get(k, 0.0), name_l.get(k, 0.0))
+              for k in by_fixed(name_s, name_l, magnitude=True)[:top]]
     return "\n".join(lines)
 
 
