@@ -100,7 +100,7 @@ class Parallelism:
     routed to them and reduce-scatters the weighted sums: no split sizes, so no host read per
     layer and fixed shapes; (ranks - 1) x tokens rows each way per rank; the sorted copies in
     a worst-case buffer (ranks x tokens x top_k rows, whose elementwise passes grow with the
-    EP degree). Compiled on 2x H200 (EP2) 1.19x "copies" compiled at 8K, 1.13x at 16K; tied
+    EP degree). Compiled on 2x H200 (EP2) 1.19x "copies" compiled on 8K text, 1.13x at 16K; tied
     at EP4; eager slower (0.92x at EP2): use it with torch.compile.
     "tokens" and "gather" need expert parallel and the exact dispatcher
     (expert_capacity_factor 0). See docs/parallelism.md."""
