@@ -40,6 +40,7 @@ peak reserved memory and, for ``torch.compile`` points (run with
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -60,6 +61,8 @@ STOCK_TEXT = "data/stock_text"
 WORKLOADS = ("realistic", "toy", "long_text", "text")
 # the cut 8B flavors of stock TorchTitan (scripts/titan_flavors.py)
 FLAVORS_MODULE = "scripts.titan_flavors"
+# the omni benchmark flavors (scripts/omni_flavors.py), as the trainer imports them
+OMNI_FLAVORS = ("--experimental.custom_import", "scripts.omni_flavors")
 LAYER_CUTS = (4, 8, 12, 16, 20, 24, 28)
 COMPILE = ("--compile.enable", "--compile.components", "model,loss")
 # Realistic media cost the loader ~0.5 s of CPU per 8K row: the omni default
@@ -691,6 +694,18 @@ def moe_2gpu() -> list[Point]:
             + realistic + log10 + long + fixed_part_points(2))
 
 
+def moe_1gpu() -> list[Point]:
+    """One EP4 rank's share of the MoE 12-layer cut on one GPU (flavor ``30B-A3B_ep4_rank``
+    of scripts/omni_flavors.py: 32 experts, top 8, so the rank's expert weights and expert
+    copies per token), packed text at 8K and 16K, full AC, eager and compiled: the part of
+    the step that does not grow with tokens without any exchange, skew or FSDP collective
+    (issue 12: the EP4 pair's is 0.079 s compiled, 22.9% of its 8K step)."""
+    cut = _layers(12) + FULL + _ep(1) + OMNI_FLAVORS + ("--model.flavor", "30B-A3B_ep4_rank")
+    points = [Point(f"moe_30B-A3B-ep4rank_12L_{seq // 1024}k_1gpu_text_exact", MOE, 1, seq, cut,
+                    workload="text", estimate_s=60) for seq in (8192, 16384)]
+    return points + [compiled(p, 60) for p in points]
+
+
 def moe_dispatch(ngpu: int) -> list[Point]:
     """MoE dispatch (issue 12) at the 30B-A3B layer shape: the exact uneven all-to-all (a host
     sync per layer) against capacity-padded dispatch (static splits), eager and compiled; with
@@ -800,7 +815,7 @@ def build_plans(llm_layers: int = 16) -> dict[str, list[Point]]:
     """Every plan; ``llm_layers``: the LLM layers of the 1-GPU plan."""
     return {"omni_1gpu": omni_1gpu(llm_layers), "omni_2gpu": omni_2gpu(),
             "llama_4gpu": llama_4gpu(), "moe_2gpu": moe_2gpu(),
-            "moe_4gpu": moe_4gpu(), "llama_8gpu": llama_8gpu(),
+            "moe_1gpu": moe_1gpu(), "moe_4gpu": moe_4gpu(), "llama_8gpu": llama_8gpu(),
             "moe_8gpu": moe_8gpu(), "smoke_cpu": smoke_cpu(),
             "hetero_2gpu": hetero(2), "hetero_4gpu": hetero(4),
             **{f"moe_dispatch_{n}gpu": moe_dispatch(n) for n in (1, 2, 4)}}
@@ -930,7 +945,8 @@ def titan_flops_per_token(point: Point) -> float:
             cfg = parse_job_config(["--job.config_file", point.config_file(), *point.args,
                                     "--training.seq_len", str(point.seq_len)])
         spec = get_train_spec(cfg.model.name)
-        args = spec.model_args[cfg.model.flavor]
+        # a copy: the registered flavor stays as registered for the next point
+        args = copy.deepcopy(spec.model_args[cfg.model.flavor])
         args.update_from_config(cfg)  # applies omni.llm_layers
     with torch.device("meta"):
         model = spec.model_cls(args)

@@ -633,6 +633,29 @@ def test_pyspy_summary_counts_threads_queue_waits_and_encoder_samples():
         spy.read_raw(["thread (7): MainThread;frame\n"])
 
 
+def test_ep4_rank_flavor_of_the_moe_and_its_one_gpu_points():
+    """scripts/omni_flavors.py, imported as the trainer imports it: 30B-A3B with a quarter of
+    its experts (one EP4 rank's) and nothing else changed; the 1-GPU MoE points select it
+    through the trainer's flags and validate (their FLOPs count 32 experts' routers)."""
+    flavors = importlib.import_module("scripts.omni_flavors")
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    args = get_train_spec("qwen3_moe_omni").model_args
+    rank, full = args[flavors.EP4_RANK], args["30B-A3B"]
+    assert rank.llm.num_experts == 32 and full.llm.num_experts == 128
+    assert dataclasses.replace(rank.llm, num_experts=128) == full.llm
+    assert rank.vision == full.vision and rank.audio == full.audio
+    bench = _script("bench_scaling")
+    points = bench.PLANS["moe_1gpu"]
+    assert sorted((p.seq_len, p.compile) for p in points) == [
+        (8192, False), (8192, True), (16384, False), (16384, True)]
+    for p in points:
+        cmd = p.command()
+        assert cmd[cmd.index("--model.flavor") + 1] == flavors.EP4_RANK, p.name
+        assert cmd[cmd.index("--experimental.custom_import") + 1] == "scripts.omni_flavors"
+        assert p.ngpu == 1 and bench.titan_flops_per_token(p) > 0
+
+
 def test_fixed_part_and_float8_points():
     """The MoE text points that split the step's fixed part (issue 12) set one AC mode each and
     the exchange they name; each float8 point of the 2- and 4-GPU plans is its bf16 compiled
