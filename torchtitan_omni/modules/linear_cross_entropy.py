@@ -7,8 +7,7 @@ computed, reduced to the chunk's loss, and turned into the gradients of the hidd
 of the head's weight right away (the softmax minus the one-hot targets, times the weight or
 the hidden states), so only one chunk of logits ever exists and backward has nothing left to
 recompute. The matrix products are the three an unfused head does (logits, input gradient,
-weight gradient); the weight gradient accumulates in float32, inside the matrix product on CUDA
-(:func:`add_weight_grad_`).
+weight gradient); the weight gradient accumulates in float32.
 
 ``loss_and_logit_grad`` is the elementwise part of one chunk (log-sum-exp, target pick,
 softmax gradient); ``torch.compile`` fuses it into a couple of kernels when the job compiles
@@ -43,24 +42,6 @@ def loss_and_logit_grad(
     return loss, grad.to(logits.dtype)
 
 
-def add_weight_grad_(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
-    """``grad_w += g.T @ h``, the float32 sum ``grad_w`` ``[V, D]`` of the head weight's
-    gradient over the chunks (``g`` ``[C, V]``, ``h`` ``[C, D]``).
-
-    Why in the product: the sum is as large as the head (1.2 GB for a 152K x 2048 head), and a
-    chunk is under a thousand rows, so a separate bf16 product, float32 cast and add per chunk
-    moved about 2.5x the sum's bytes again for each chunk, more than the product itself costs.
-    On CUDA, one GEMM reads and adds the float32 sum in its epilogue (cuBLAS accumulates in
-    float32 either way), and the chunk's product is never rounded to bf16. Elsewhere (CPU
-    tests), operands of the sum's dtype add in place; others keep the cast and add."""
-    if g.dtype == h.dtype == grad_w.dtype:
-        grad_w.addmm_(g.t(), h)
-    elif grad_w.is_cuda and g.dtype == h.dtype and g.dtype in (torch.bfloat16, torch.float16):
-        torch.addmm(grad_w, g.t(), h, out_dtype=grad_w.dtype, out=grad_w)
-    else:
-        grad_w += (g.t() @ h).to(grad_w.dtype)
-
-
 def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Rows per chunk so that one chunk's float32 logits stay within ``chunk_bytes``."""
     return max(1, chunk_bytes // (4 * vocab_size))
@@ -86,7 +67,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[start:start + rows] = g @ weight
             if grad_w is not None:
-                add_weight_grad_(grad_w, g, h)
+                grad_w += (g.t() @ h).float()
             if grad_b is not None:
                 grad_b += g.sum(0).float()
         ctx.save_for_backward(grad_h, grad_w, grad_b)
