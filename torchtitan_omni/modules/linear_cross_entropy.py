@@ -67,7 +67,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[start:start + rows] = g @ weight
             if grad_w is not None:
-                grad_w += (g.t() @ h).float()
+                # one pass reads the bf16 product and adds it in float32: the same sums as
+                # casting first, without writing and reading a float32 copy of the head
+                grad_w += g.t() @ h
             if grad_b is not None:
                 grad_b += g.sum(0).float()
         ctx.save_for_backward(grad_h, grad_w, grad_b)
@@ -80,7 +82,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w_dtype, b_dtype = ctx.dtypes
         scale = grad_loss.float()
         dh = (grad_h * scale.to(grad_h.dtype)) if grad_h is not None else None
-        dw = (grad_w * scale).to(w_dtype) if grad_w is not None else None
+        # scaled straight into the weight's dtype: one pass over the float32 sum, not two
+        dw = (torch.mul(grad_w, scale, out=torch.empty_like(grad_w, dtype=w_dtype))
+              if grad_w is not None else None)
         db = (grad_b * scale).to(b_dtype) if grad_b is not None else None
         return dh, dw, db, None, None, None
 
