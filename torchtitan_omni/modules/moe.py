@@ -267,12 +267,21 @@ def gather_sorted(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Ten
 
 
 def combine(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Undo the sort and sum each token's k expert outputs weighted by ``weights`` ``[N, k]``."""
+    """Undo the sort and sum each token's k expert outputs weighted by ``weights`` ``[N, k]``.
+
+    The weights are rounded to the outputs' dtype (as every dispatcher weighs its copies), the
+    products and their sum are float32, and the result is rounded once to the outputs' dtype.
+    Why not a batched matmul (``[1, k] x [k, D]`` per token): cuBLAS runs such shapes on
+    small-tile kernels far below the memory bandwidth; a product and a sum over ``k`` read the
+    copies once, fused into one kernel when compiled. Autograd keeps the outputs and weights,
+    not the float32 products."""
     n, k = weights.shape
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
     per_token = permute_rows(out_sorted, inverse, order).view(n, k, out_sorted.shape[-1])
-    return torch.bmm(weights.to(per_token.dtype).unsqueeze(1), per_token).squeeze(1)
+    # float32 weights promote the product: exact, as bf16 times bf16 fits float32's mantissa
+    scale = weights.to(per_token.dtype).to(torch.promote_types(per_token.dtype, torch.float32))
+    return (per_token * scale.unsqueeze(-1)).sum(dim=1).to(per_token.dtype)
 
 
 class RoutingStats(NamedTuple):
