@@ -85,6 +85,28 @@ def test_sorted_gather_and_combine_have_the_plain_indexing_gradients():
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
 
 
+def test_bf16_combine_rounds_once_with_bf16_weights_and_keeps_the_weights_gradient():
+    """In bf16, combine weighs the outputs by the weights rounded to bf16, forms the products
+    and their sum in float32 and rounds once: the correctly rounded float64 sum (up to the
+    float32 sum's own rounding at a tie), for the outputs and for the weights' gradient."""
+    g = torch.Generator().manual_seed(10)
+    n, d = 64, 256
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)])
+    order, _ = sort_by_expert(idx, E)
+    y = torch.randn(n * K, d, generator=g).bfloat16()
+    weights = torch.softmax(torch.randn(n, K, generator=g), -1).requires_grad_()
+    out = combine(y, order, weights)
+    out.float().pow(2).sum().backward()
+    inverse = torch.argsort(order)
+    per_token = y[inverse].view(n, K, d).double()
+    w64 = weights.detach().bfloat16().double().requires_grad_()
+    exact = torch.einsum("nk,nkd->nd", w64, per_token)
+    exact.bfloat16().double().pow(2).sum().backward()
+    assert out.dtype == torch.bfloat16
+    assert (out == exact.bfloat16()).float().mean() > 0.99
+    torch.testing.assert_close(weights.grad.double(), w64.grad, rtol=2e-2, atol=1e-3)
+
+
 def test_experts_compute_with_a_slice_and_local_counts():
     """What expert parallel relies on: modules holding experts [lo, hi), given the tokens of
     their experts and local counts, compute what the module holding all experts does."""
