@@ -654,6 +654,8 @@ def test_ep4_rank_flavor_of_the_moe_and_its_one_gpu_points():
         assert cmd[cmd.index("--model.flavor") + 1] == flavors.EP4_RANK, p.name
         assert cmd[cmd.index("--experimental.custom_import") + 1] == "scripts.omni_flavors"
         assert p.ngpu == 1 and bench.titan_flops_per_token(p) > 0
+    # counting a 12-layer point's FLOPs leaves the registered flavors as they were
+    assert rank.llm.n_layers == full.llm.n_layers == 48
 
 
 def test_fixed_part_and_float8_points():
