@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torchtitan_omni.modules.linear_cross_entropy import (
     LinearHead,
     chunk_rows,
+    group_rows,
     linear_cross_entropy,
 )
 
@@ -40,6 +41,29 @@ def test_matches_unfused_reference(with_bias, rows):
     torch.testing.assert_close(weight.grad.double(), 0.5 * ref_w, rtol=1e-5, atol=1e-6)
     if with_bias:
         torch.testing.assert_close(bias.grad.double(), 0.5 * ref_b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows,group", [(7, 7), (7, 21), (7, 20), (5, 1000), (64, 128)])
+def test_weight_gradient_by_groups_of_chunks_matches_reference(rows, group):
+    # 50 rows: groups of one chunk, of three with a shorter last group, a group rounded down
+    # to whole chunks, one group holding every chunk, one chunk holding every row
+    g = torch.Generator().manual_seed(rows * 1000 + group)
+    n, d, v = 50, 24, 97
+    hidden = torch.randn(n, d, generator=g, requires_grad=True)
+    weight = (torch.randn(v, d, generator=g) * 0.3).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    linear_cross_entropy(hidden, weight, targets, rows=rows, group=group).backward()
+    _, ref_h, ref_w, _ = _reference(hidden, weight, None, targets)
+    torch.testing.assert_close(weight.grad.double(), ref_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad.double(), ref_h, rtol=1e-5, atol=1e-6)
+
+
+def test_group_rows_are_whole_chunks_within_the_bytes():
+    # a 152K vocabulary in bf16: four 882-row chunks of logit gradients in 1 GiB
+    rows = chunk_rows(152064)
+    assert (rows, group_rows(152064, rows, 2)) == (882, 4 * 882)
+    assert group_rows(152064, rows, 4) == 2 * 882
+    assert group_rows(10**9, 3, 4) == 3
 
 
 def test_head_gives_logits_or_loss_and_no_rows_still_backpropagates():
