@@ -647,8 +647,9 @@ def test_ep4_rank_flavor_of_the_moe_and_its_one_gpu_points():
     assert rank.vision == full.vision and rank.audio == full.audio
     bench = _script("bench_scaling")
     points = bench.PLANS["moe_1gpu"]
-    assert sorted((p.seq_len, p.compile) for p in points) == [
-        (8192, False), (8192, True), (16384, False), (16384, True)]
+    assert sorted((p.seq_len, p.compile, p.workload) for p in points) == [
+        (8192, False, "text"), (8192, True, "realistic"), (8192, True, "text"),
+        (16384, False, "text"), (16384, True, "text")]
     for p in points:
         cmd = p.command()
         assert cmd[cmd.index("--model.flavor") + 1] == flavors.EP4_RANK, p.name
