@@ -35,7 +35,7 @@ from torchtitan_omni.distributed.noncolocated import (
     combine_grad_norms,
     share_from_llm,
 )
-from torchtitan_omni.distributed.utils import clip_grad_norm_
+from torchtitan_omni.components.optimizer import clip_gradients_
 from torchtitan_omni.eval.validator import log_validation, validates_at
 from torchtitan_omni.platform import local_device
 
@@ -151,7 +151,7 @@ def serve_encoders(trainer: Any, server: EncoderServer) -> None:
     serve_micro_batches(server, trainer.gradient_accumulation_steps,
                         trainer.job_config.parallelism.encoder_schedule)
     params = [p for m in trainer.model_parts for p in m.parameters()]
-    clip_grad_norm_(params, trainer.job_config.training.max_norm,
+    clip_gradients_(trainer.optimizers, params, trainer.job_config.training.max_norm,
                     combine=partial(combine_grad_norms, ranks=server.ranks))
     trainer.checkpointer.maybe_wait_for_staging()
     trainer.optimizers.step()

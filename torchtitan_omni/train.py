@@ -57,6 +57,7 @@ from torchtitan_omni.components.inputs import ModelInputs, model_inputs
 from torchtitan_omni.components.deferred_read import DeferredRead
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS, LogWindow
 from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
+from torchtitan_omni.components.optimizer import clip_gradients_
 from torchtitan_omni.components.quantization import float8_encoders, prepare_float8
 from torchtitan_omni.distributed.boundary import balance_metrics
 from torchtitan_omni.distributed.compile import compiled_graphs
@@ -81,7 +82,7 @@ from torchtitan_omni.distributed.ulysses import (
     NCCL_HIGH_PRIORITY_ENV, prefer_high_priority_exchanges,
 )
 from torchtitan_omni.distributed.utils import (
-    all_reduce, all_reduce_on_host, clip_grad_norm_, reduce_moe_counts,
+    all_reduce, all_reduce_on_host, reduce_moe_counts,
 )
 from torchtitan_omni.encoder_ranks import (
     NoBatches,
@@ -335,7 +336,8 @@ class OmniTrainer(Trainer):
         # non-colocated encoders: the norm of both rank sets' gradients, as colocated
         combine = partial(combine_grad_norms, ranks=self.rank_sets) if self.rank_sets else None
         params = [p for m in self.model_parts for p in m.parameters()]
-        grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm, combine=combine)
+        grad_norm = clip_gradients_(self.optimizers, params, self.job_config.training.max_norm,
+                                    combine=combine)
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()

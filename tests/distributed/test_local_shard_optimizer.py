@@ -116,3 +116,51 @@ def test_clip_on_local_shards_matches_torch_on_the_full_model():
             assert abs(r["norm"] - r["ref_norm"]) <= 1e-6 * r["ref_norm"], (max_norm, r)
             assert r["worst"] <= 1e-6 * r["scale"], (max_norm, r)
         assert rank_out[1e-3]["ref_norm"] > 1e-3, "the clipping case did not clip"
+
+
+def _clipped_steps_agree(rank: int, world: int) -> dict:
+    from torchtitan_omni.components.optimizer import LocalShardAdamW, clip_gradients_
+    from torchtitan_omni.distributed.utils import clip_grad_norm_
+
+    out = {}
+    for impl in IMPLEMENTATIONS:
+        kwargs = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+                  "fused": impl == "fused", "foreach": impl == "foreach"}
+        ours_model, ref_model = _sharded(world), _sharded(world)
+        ours = LocalShardAdamW(ours_model.parameters(), **kwargs)
+        ref = torch.optim.AdamW(ref_model.parameters(), **kwargs)
+        norms = []
+        # steps 0 and 1 clipped (the coefficient goes into our step); step 2 not clipped, so a
+        # coefficient left over from step 1 would show
+        for step in range(3):
+            for model, opt in ((ours_model, ours), (ref_model, ref)):
+                opt.zero_grad()
+                _grads(model, step, rank)
+                if step < 2 and opt is ours:
+                    norms.append(float(clip_gradients_([ours], model.parameters(), 1e-2)))
+                elif step < 2:
+                    norms.append(float(clip_grad_norm_(list(model.parameters()), 1e-2)))
+                opt.step()
+            if step == 0:  # after the step, the gradients are the clipped ones
+                grads_worst = max((a.grad.full_tensor() - b.grad.full_tensor()).abs().max().item()
+                                  for a, b in zip(ours_model.parameters(),
+                                                  ref_model.parameters()))
+        worst = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                    for a, b in zip(ours_model.parameters(), ref_model.parameters()))
+        out[impl] = {"worst": worst, "grads_worst": grads_worst, "norms": norms}
+    return out
+
+
+def test_clipping_coefficient_taken_into_the_next_step_matches_clipping_first():
+    for rank_out in run_distributed(_clipped_steps_agree, 2):
+        assert sorted(rank_out) == sorted(IMPLEMENTATIONS)
+        for impl, r in rank_out.items():
+            ours_norms, ref_norms = r["norms"][0::2], r["norms"][1::2]
+            assert min(ref_norms) > 1e-2, (impl, "the gradients were not clipped", r)
+            for a, b in zip(ours_norms, ref_norms):
+                assert abs(a - b) <= 1e-6 * b, (impl, r)
+            # the fused kernel takes the inverse coefficient as a float32 (torch's grad_scale):
+            # float32 rounding of these float64 gradients (about 1e-3 each), none elsewhere
+            tol = 1e-6 if impl == "fused" else 1e-12
+            assert r["worst"] <= tol, (impl, r)
+            assert r["grads_worst"] <= tol * 1e-3, (impl, r)

@@ -11,6 +11,12 @@ is the same, tensor for tensor.
 The optimizer state is what torch's ``Adam``/``AdamW`` keep (``step``, ``exp_avg``,
 ``exp_avg_sq``, as DTensors like the parameters), so checkpoints are interchangeable with
 TorchTitan's optimizers and reshard as before.
+
+Gradient clipping (:func:`clip_gradients_`) hands its coefficient to these optimizers' next
+step instead of scaling the gradients in a pass of its own: the fused kernel divides each
+gradient by the inverse as it reads it (torch's ``grad_scale``, there for AMP) and writes the
+clipped gradient back, one read and write of every gradient fewer a step (2.66B parameters on
+one GPU: a tenth of the optimizer's 30 ms).
 """
 
 from __future__ import annotations
@@ -22,6 +28,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
+
+from torchtitan_omni.distributed.utils import (
+    clip_grad_norm_,
+    grad_norm_and_clip_coef,
+    scale_grads_,
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +62,12 @@ class _LocalShardStep:
             for key in ("capturable", "differentiable"):
                 if group[key]:
                     raise ValueError(f"{type(self).__name__} does not support {key}=True")
+        self._grad_coef: torch.Tensor | None = None
+
+    def scale_grads_in_next_step(self, coef: torch.Tensor) -> None:
+        """Multiply the gradients by the device scalar ``coef`` (a clipping coefficient) in
+        the next :meth:`step`, which leaves them so scaled, as clipping first would."""
+        self._grad_coef = coef
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -58,6 +76,7 @@ class _LocalShardStep:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        coef, self._grad_coef = self._grad_coef, None
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
             for p in group["params"]:
@@ -85,10 +104,16 @@ class _LocalShardStep:
                 steps.append(state["step"])
             if not params:
                 continue
+            grad_scale = None
+            if coef is not None and group["fused"]:
+                # the fused kernel divides by grad_scale (float32) and stores the result
+                grad_scale = coef.reciprocal().float()
+            elif coef is not None:  # torch's other Adam steps take no grad_scale
+                scale_grads_(grads, coef)
             beta1, beta2 = group["betas"]
             adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                  foreach=group["foreach"], capturable=False, differentiable=False,
-                 fused=group["fused"], grad_scale=None, found_inf=None,
+                 fused=group["fused"], grad_scale=grad_scale, found_inf=None,
                  has_complex=any(torch.is_complex(p) for p in params),
                  decoupled_weight_decay=group["decoupled_weight_decay"],
                  amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -127,3 +152,18 @@ def build_omni_optimizers(model_parts, optimizer_config, parallel_dims, ft_manag
         "foreach": implementation == "foreach",
     }
     return OptimizersContainer(model_parts, LOCAL_SHARD_OPTIMIZERS[optimizer_config.name], kwargs)
+
+
+@torch.no_grad()
+def clip_gradients_(optimizers: OptimizersContainer, parameters, max_norm: float,
+                    combine=None) -> torch.Tensor:
+    """Clip the global L2 norm of ``parameters``' gradients to ``max_norm`` and return the norm
+    before (``distributed.utils.grad_norm_and_clip_coef``; ``combine`` as there). When every
+    optimizer of ``optimizers`` steps on local shards, the coefficient goes into their next
+    step (see the module docstring); otherwise the gradients are scaled now."""
+    if not all(isinstance(o, _LocalShardStep) for o in optimizers):
+        return clip_grad_norm_(parameters, max_norm, combine)
+    total, coef = grad_norm_and_clip_coef(parameters, max_norm, combine)
+    for optimizer in optimizers:
+        optimizer.scale_grads_in_next_step(coef)
+    return total

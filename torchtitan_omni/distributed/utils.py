@@ -83,55 +83,77 @@ def reduce_moe_counts(counts: torch.Tensor, ep_mesh: DeviceMesh | None,
     return loads, totals
 
 
+def _local_grads(parameters: Iterable[torch.Tensor]
+                 ) -> dict[tuple[DeviceMesh, tuple] | None, list[torch.Tensor]]:
+    """The gradients' local tensors by the (mesh, placements) of their DTensors (None: plain
+    tensors)."""
+    groups: dict[tuple[DeviceMesh, tuple] | None, list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            groups[(g.device_mesh, g.placements)].append(g.to_local())
+        else:
+            groups[None].append(g)
+    return groups
+
+
+@torch.no_grad()
+def grad_norm_and_clip_coef(parameters: Iterable[torch.Tensor], max_norm: float,
+                            combine: Callable[[torch.Tensor], torch.Tensor] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global L2 norm of all gradients and the coefficient that clips it to ``max_norm``
+    (``torch.nn.utils.clip_grads_with_norm_``'s: at most 1), both device scalars; the
+    gradients are left as they are.
+
+    Works on the gradients' local shards: each group of gradients with the same (mesh,
+    placements) sums its local squares in one foreach kernel and completes the sum over the
+    mesh dimensions it is sharded on (one all-reduce each). Why not on the DTensors: DTensor's
+    dispatch of the foreach norm checks every tensor on the host (15 ms for LLaMA#Omni 8B's
+    226 tensors a rank), while the GPU waits. ``combine`` maps the sum of squares to the job's
+    (non-colocated encoders: ``noncolocated.combine_grad_norms`` adds the other rank set's),
+    so every rank clips by the same norm.
+    """
+    groups = _local_grads(parameters)
+    if not groups and combine is None:
+        return torch.zeros(()), torch.ones(())
+    squares = [torch.zeros((), dtype=torch.float32, device=local_device())]
+    for key, grads in groups.items():
+        square = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).float() ** 2
+        if key is not None:
+            mesh, placements = key
+            for dim, placement in enumerate(placements):
+                # sharded (strided too: not a Shard in torch 2.13) or partial: sum
+                if not placement.is_replicate():
+                    square = all_reduce_traceable(square, "sum", (mesh, dim))
+        squares.append(square)
+    device = squares[-1].device
+    square = torch.stack([s.to(device) for s in squares]).sum()
+    total = (combine(square) if combine is not None else square).sqrt()
+    return total, (max_norm / (total + 1e-6)).clamp(max=1.0)
+
+
+@torch.no_grad()
+def scale_grads_(grads: Iterable[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply local gradient tensors in place by the device scalar ``coef`` (one foreach
+    kernel per device and dtype)."""
+    by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_kind[(g.device, g.dtype)].append(g)
+    for (grad_device, _), same in by_kind.items():
+        torch._foreach_mul_(same, coef.to(grad_device))
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
                     combine: Callable[[torch.Tensor], torch.Tensor] | None = None
                     ) -> torch.Tensor:
-    """Clip the global L2 norm of all gradients to ``max_norm``; returns the norm before.
-
-    Works on the gradients' local shards: each group of gradients with the same (mesh,
-    placements) sums its local squares in one foreach kernel and completes the sum over the
-    mesh dimensions it is sharded on (one all-reduce each), and the scaling multiplies the
-    local shards in place. Why not on the DTensors: DTensor's dispatch of the foreach norm and
-    multiply checks every tensor on the host (15 ms for LLaMA#Omni 8B's 226 tensors a rank),
-    while the GPU waits. ``combine`` maps the sum of squares to the job's (non-colocated
-    encoders: ``noncolocated.combine_grad_norms`` adds the other rank set's), so every rank
-    clips by the same norm.
-    """
-    # (mesh, placements) of DTensor gradients; None for plain tensors
-    groups: dict[tuple[DeviceMesh, tuple] | None, list[torch.Tensor]] = defaultdict(list)
-    with torch.no_grad():
-        for p in parameters:
-            g = p.grad
-            if g is None:
-                continue
-            if isinstance(g, DTensor):
-                groups[(g.device_mesh, g.placements)].append(g.to_local())
-            else:
-                groups[None].append(g)
-        if not groups and combine is None:
-            return torch.zeros(())
-        squares = [torch.zeros((), dtype=torch.float32, device=local_device())]
-        for key, grads in groups.items():
-            square = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).float() ** 2
-            if key is not None:
-                mesh, placements = key
-                for dim, placement in enumerate(placements):
-                    # sharded (strided too: not a Shard in torch 2.13) or partial: sum
-                    if not placement.is_replicate():
-                        square = all_reduce_traceable(square, "sum", (mesh, dim))
-            squares.append(square)
-        device = squares[-1].device
-        square = torch.stack([s.to(device) for s in squares]).sum()
-        total = (combine(square) if combine is not None else square).sqrt()
-        # torch.nn.utils.clip_grads_with_norm_'s coefficient, applied per (device, dtype)
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        for grads in groups.values():
-            for g in grads:
-                by_kind[(g.device, g.dtype)].append(g)
-        for (grad_device, _), grads in by_kind.items():
-            torch._foreach_mul_(grads, coef.to(grad_device))
+    """Clip the global L2 norm of all gradients to ``max_norm``; returns the norm before
+    (:func:`grad_norm_and_clip_coef`, then the local shards multiplied in place)."""
+    parameters = list(parameters)
+    total, coef = grad_norm_and_clip_coef(parameters, max_norm, combine)
+    scale_grads_([g for grads in _local_grads(parameters).values() for g in grads], coef)
     return total
 
 
