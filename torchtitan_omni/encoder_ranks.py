@@ -28,6 +28,7 @@ from torchtitan.components.validate import BaseValidator
 from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import TrainSpec
 
+from torchtitan_omni.components.optimizer import clip_gradients_
 from torchtitan_omni.distributed.encoder_schedule import serve_micro_batches
 from torchtitan_omni.distributed.noncolocated import (
     EncoderServer,
@@ -35,7 +36,6 @@ from torchtitan_omni.distributed.noncolocated import (
     combine_grad_norms,
     share_from_llm,
 )
-from torchtitan_omni.components.optimizer import clip_gradients_
 from torchtitan_omni.eval.validator import log_validation, validates_at
 from torchtitan_omni.platform import local_device
 
