@@ -3,7 +3,8 @@
 kernels (and per-op checkpointing keeping its output), the chunked text-head loss, and a compiled
 Llama block and a compiled Qwen3-MoE block with capacity-padded dispatch (one graph each, per-op
 activation checkpointing inside) against the eager blocks; float8 block linears (TorchTitan's
-converter, torch's float8 matmuls) near bf16. Skipped without a GPU."""
+converter, torch's float8 matmuls) near bf16; the fused AdamW step taking the clipping
+coefficient against clipping first. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -338,3 +339,42 @@ def test_a_deferred_lines_window_covers_the_gpus_time():
     assert not second.done()  # the host got here long before the GPU
     assert window.seconds() > 0.1
     assert second.done() and first.mark.elapsed_time(second.mark) > 100
+
+
+
+def test_clipping_inside_the_fused_cuda_step_matches_clipping_first():
+    """The CUDA fused AdamW with the clipping coefficient taken into its step (its kernel
+    divides each float32 gradient by the inverse) against clipping first and torch's fused
+    AdamW, over two clipped steps and one unclipped: the clipped gradients equal to float32
+    rounding, the parameters' movement within 1e-3 (Adam's moments amplify rounding where
+    steps' gradients cancel: up to 1.3e-5 on CPU; 0.3-0.6 with the coefficient un-inverted or
+    left over into the unclipped step)."""
+    from torchtitan_omni.components.optimizer import LocalShardAdamW, clip_gradients_
+    from torchtitan_omni.distributed.utils import clip_grad_norm_
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.GELU(),
+                               torch.nn.Linear(48, 8)).cuda()
+    start = [p.detach().clone() for p in base.parameters()]
+    kwargs = {"lr": 0.05, "betas": (0.8, 0.95), "weight_decay": 0.1, "fused": True}
+    ours_model, ref_model = base, copy.deepcopy(base)
+    ours = LocalShardAdamW(ours_model.parameters(), **kwargs)
+    ref = torch.optim.AdamW(ref_model.parameters(), **kwargs)
+    x = torch.randn(3, 16, 64, device="cuda")
+    for step in range(3):
+        for model, opt in ((ours_model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            model(x[step]).square().sum().backward()
+            if step < 2 and opt is ours:
+                clip_gradients_([ours], list(model.parameters()), 1e-2)
+            elif step < 2:
+                assert float(clip_grad_norm_(list(model.parameters()), 1e-2)) > 1e-2
+            opt.step()
+        if step == 0:
+            for a, b in zip(ours_model.parameters(), ref_model.parameters()):
+                assert _rel(a.grad, b.grad) < 1e-6
+    moved = [(a.detach() - s, b.detach() - s)
+             for a, b, s in zip(ours_model.parameters(), ref_model.parameters(), start)]
+    diff = sum(float((a - b).square().sum()) for a, b in moved) ** 0.5
+    total = sum(float(b.square().sum()) for _, b in moved) ** 0.5
+    assert total > 0.05 and diff / total < 1e-3, (diff, total)
