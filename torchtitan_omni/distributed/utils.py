@@ -115,7 +115,14 @@ def grad_norm_and_clip_coef(parameters: Iterable[torch.Tensor], max_norm: float,
     (non-colocated encoders: ``noncolocated.combine_grad_norms`` adds the other rank set's),
     so every rank clips by the same norm.
     """
-    groups = _local_grads(parameters)
+    return _norm_and_clip_coef(_local_grads(parameters), max_norm, combine)
+
+
+def _norm_and_clip_coef(groups: dict[tuple[DeviceMesh, tuple] | None, list[torch.Tensor]],
+                        max_norm: float,
+                        combine: Callable[[torch.Tensor], torch.Tensor] | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    # grad_norm_and_clip_coef on local gradients already grouped (_local_grads)
     if not groups and combine is None:
         return torch.zeros(()), torch.ones(())
     squares = [torch.zeros((), dtype=torch.float32, device=local_device())]
@@ -151,9 +158,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
                     ) -> torch.Tensor:
     """Clip the global L2 norm of all gradients to ``max_norm``; returns the norm before
     (:func:`grad_norm_and_clip_coef`, then the local shards multiplied in place)."""
-    parameters = list(parameters)
-    total, coef = grad_norm_and_clip_coef(parameters, max_norm, combine)
-    scale_grads_([g for grads in _local_grads(parameters).values() for g in grads], coef)
+    groups = _local_grads(parameters)
+    total, coef = _norm_and_clip_coef(groups, max_norm, combine)
+    scale_grads_([g for grads in groups.values() for g in grads], coef)
     return total
 
 
