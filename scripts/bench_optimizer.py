@@ -16,7 +16,9 @@ take is measured rather than guessed:
 Prints one markdown row per world size: parameters per rank, the fused AdamW step, the
 clipping norm, the clipping scale, clipping as TorchTitan runs it (both), AdamW and clipping
 together, AdamW with the clipping scale inside its kernel (``grad_scale``, the hook torch's
-fused AdamW has for it), and the memory bandwidth each reached (bytes
+fused AdamW has for it), the trainer's optimizer with ``compile.components`` holding
+"optimizer" (the large tensors' update compiled, the scale inside it; the share of elements
+it covers), and the memory bandwidth each reached (bytes
 an ideal kernel moves: AdamW reads parameter, gradient and both moments and writes three back,
 28 bytes per parameter; the norm reads the gradient; the scale reads and writes it).
 """
@@ -41,7 +43,7 @@ ADAMW_BYTES, NORM_BYTES, SCALE_BYTES = 28, 4, 8
 def shard_numels(spec_name: str, flavor: str, llm_layers: int, world: int) -> list[int]:
     """Each parameter's element count on one of ``world`` ranks (the model built on the meta
     device, its foundation cut to ``llm_layers`` blocks; 0 keeps the flavor's)."""
-    import torchtitan_omni.models  # noqa: F401  (registers the specs)
+    import scripts.omni_flavors  # noqa: F401  (the omni specs and the benchmark flavors)
     from torchtitan.protocols.train_spec import get_train_spec
     from torchtitan_omni.protocols.model import apply_llm_layers
 
@@ -93,12 +95,29 @@ def measure(numels: list[int], device: torch.device, iters: int, max_norm: float
     opt.grad_scale = torch.tensor(1.001, device=device)
     scaled_ms = _timed(opt.step, device, iters)
     del opt.grad_scale
+    del opt
+    # the trainer's optimizer with ``compile.components`` holding "optimizer": the large
+    # tensors' update compiled (one kernel each), the clipping coefficient inside it
+    from torchtitan_omni.components.optimizer import LocalShardAdamW
+
+    ours = LocalShardAdamW(params, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                           fused=True)
+    ours.compile_updates()
+    coef = torch.tensor(1 / 1.001, device=device)
+
+    def compiled_step() -> None:
+        ours.scale_grads_in_next_step(coef)
+        ours.step()
+
+    compiled_ms = _timed(compiled_step, device, iters)
     total = sum(numels)
 
     def gbps(nbytes: int, ms: float) -> float:
         return nbytes * total / ms / 1e6
 
-    return {"params": total, "adamw_ms": adamw_ms, "scaled_ms": scaled_ms, "norm_ms": norm_ms,
+    return {"params": total, "adamw_ms": adamw_ms, "scaled_ms": scaled_ms,
+            "compiled_ms": compiled_ms, "compiled_share": ours.compiled_numel / total,
+            "norm_ms": norm_ms,
             "scale_ms": scale_ms, "clip_ms": clip_ms, "adamw_gbps": gbps(ADAMW_BYTES, adamw_ms),
             "norm_gbps": gbps(NORM_BYTES, norm_ms), "scale_gbps": gbps(SCALE_BYTES, scale_ms)}
 
@@ -125,14 +144,15 @@ def main(argv: list[str] | None = None) -> None:
           f"parameters and moments, AdamW fused (lr 1e-5, betas 0.9/0.95, weight decay 0.1), "
           f"clipping at max_norm 1.0 (foreach); median of {args.iters} runs, ms and GB/s\n")
     print("| ranks | parameters per rank | AdamW step | clip norm | clip scale | clip (both) | "
-          "AdamW + clip | AdamW, scale inside | AdamW GB/s | norm GB/s | scale GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "AdamW + clip | AdamW, scale inside | compiled update, scale inside (share) | "
+          "AdamW GB/s | norm GB/s | scale GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for world in worlds:
         r = measure(shard_numels(args.spec, args.flavor, args.llm_layers, world), device,
                     args.iters)
         print(f"| {world} | {r['params'] / 1e6:,.1f}M | {r['adamw_ms']:.1f} | {r['norm_ms']:.1f} | "
               f"{r['scale_ms']:.1f} | {r['clip_ms']:.1f} | {r['adamw_ms'] + r['clip_ms']:.1f} | "
-              f"{r['scaled_ms']:.1f} | "
+              f"{r['scaled_ms']:.1f} | {r['compiled_ms']:.1f} ({r['compiled_share']:.0%}) | "
               f"{r['adamw_gbps']:,.0f} | {r['norm_gbps']:,.0f} | {r['scale_gbps']:,.0f} |",
               flush=True)
         if device.type == "cuda":

@@ -64,7 +64,7 @@ FLAVORS_MODULE = "scripts.titan_flavors"
 # the omni benchmark flavors (scripts/omni_flavors.py), as the trainer imports them
 OMNI_FLAVORS = ("--experimental.custom_import", "scripts.omni_flavors")
 LAYER_CUTS = (4, 8, 12, 16, 20, 24, 28)
-COMPILE = ("--compile.enable", "--compile.components", "model,loss")
+COMPILE_COMPONENTS = "model,loss"
 # Realistic media cost the loader ~0.5 s of CPU per 8K row: the omni default
 # (training.dataloader.num_workers = -1) decodes them in loader workers on GPU runs.
 # Rows are single documents, so a small buffer packs them alike and starts faster.
@@ -92,6 +92,7 @@ class Point:
     stock: bool = False  # stock TorchTitan (torchtitan.train, Llama-3), else run_train.sh
     workload: str = "toy"  # one of WORKLOADS (stock points: text)
     compile: bool = False  # torch.compile (model, loss), TORCH_LOGS=recompiles
+    compile_components: str = COMPILE_COMPONENTS  # with compile: compile.components
     env: dict[str, str] = field(default_factory=dict)
     build_args: tuple[str, ...] = ()  # extra arguments of its dataset's builder
     # non-colocated encoders: these encoders on ranks 0..encoder_ranks-1, the LLM on the rest
@@ -124,7 +125,9 @@ class Point:
         common = ["--training.seq_len", str(self.seq_len), "--training.steps", str(self.steps),
                   "--lr_scheduler.warmup_steps", str(self.steps),
                   "--metrics.log_freq", "1", "--training.local_batch_size", "1"]
-        extra = [*self.args, *(COMPILE if self.compile else ())]
+        extra = [*self.args]
+        if self.compile:
+            extra += ["--compile.enable", "--compile.components", self.compile_components]
         if self.stock:
             return ["torchrun", f"--nproc_per_node={self.ngpu}", "--rdzv_backend", "c10d",
                     "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank",
@@ -257,6 +260,15 @@ def compiled(point: Point, estimate_s: int = 60) -> Point:
     """The ``torch.compile`` variant of a point (compilation adds to its run time)."""
     return dataclasses.replace(point, name=f"{point.name}_compile", compile=True,
                                estimate_s=point.estimate_s + estimate_s)
+
+
+def with_compiled_optimizer(point: Point) -> Point:
+    """A compiled point with the optimizer's update of large tensors compiled too
+    (``compile.components`` with ``"optimizer"``: components/adam_update.py)."""
+    if not point.compile:
+        raise ValueError(f"point {point.name}: not compiled")
+    return dataclasses.replace(point, name=f"{point.name}_opt",
+                               compile_components=f"{point.compile_components},optimizer")
 
 
 def omni_1gpu(layers: int = 16) -> list[Point]:
@@ -649,7 +661,8 @@ def fixed_part_points(ep: int) -> list[Point]:
                                  ("no_ac_nvshmem", NO_AC + NVSHMEM),
                                  ("reshard_never", FULL + RESHARD_NEVER), ("gather", FULL + GATHER))
               for seq in (8192, 16384)]
-    return points + [compiled(p, 70) for p in points if p.name.endswith("_gather")]
+    gather = [compiled(p, 70) for p in points if p.name.endswith("_gather")]
+    return points + gather + [with_compiled_optimizer(p) for p in gather]
 
 
 def moe_2gpu() -> list[Point]:
@@ -700,13 +713,16 @@ def moe_1gpu() -> list[Point]:
     copies per token), packed text at 8K and 16K, full AC, eager and compiled: the part of
     the step that does not grow with tokens without any exchange, skew or FSDP collective
     (issue 12: the EP4 pair's is 0.079 s compiled, 22.9% of its 8K step); last the realistic
-    media rows at 8K, compiled."""
+    media rows at 8K, compiled; then the compiled text points with the optimizer's update
+    compiled too."""
     cut = _layers(12) + FULL + _ep(1) + OMNI_FLAVORS + ("--model.flavor", "30B-A3B_ep4_rank")
     points = [Point(f"moe_30B-A3B-ep4rank_12L_{seq // 1024}k_1gpu_text_exact", MOE, 1, seq, cut,
                     workload="text", estimate_s=60) for seq in (8192, 16384)]
     realistic = Point("moe_30B-A3B-ep4rank_12L_8k_1gpu_realistic_exact", MOE, 1, 8192, cut,
                       workload="realistic", estimate_s=70)
-    return points + [compiled(p, 60) for p in points] + [compiled(realistic, 70)]
+    text = [compiled(p, 60) for p in points]
+    return (points + text + [compiled(realistic, 70)]
+            + [with_compiled_optimizer(p) for p in text])
 
 
 def moe_dispatch(ngpu: int) -> list[Point]:

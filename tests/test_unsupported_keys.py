@@ -180,6 +180,8 @@ VALUE_CASES = [
     (("--checkpoint.create_seed_checkpoint",), "needs checkpoint.enable = true"),
     (("--profiling.enable_memory_snapshot",), "runs on CPU"),
     (("--compile.components", "model,graph"), "compile.components has 'graph'"),
+    (("--compile.components", "model,optimizer", "--optimizer.implementation", "foreach"),
+     "compile.components has 'optimizer', which compiles the fused implementation's update"),
     (("--model.converters", "mx"), "model.converters has 'mx'"),
     (("--model.converters", "float8"), "float8 needs a CUDA GPU, but this job runs on CPU"),
     (("--model.converters", "quantize.linear.float8"),
@@ -211,6 +213,8 @@ def test_values_that_work_pass():
     _parse("--lr_scheduler.total_steps", "100", "--lr_scheduler.warmup_steps", "50")
     _parse("--training.global_batch_size", "6")  # 3 micro-batches of 2 rows
     _parse("--compile.enable", "--compile.components", "model")
+    _parse("--compile.enable", "--compile.components", "model,loss,optimizer",
+           "--optimizer.implementation", "fused")
     _parse("--checkpoint.enable", "--checkpoint.load_step", "10")
 
 

@@ -57,7 +57,7 @@ from torchtitan_omni.components.inputs import ModelInputs, model_inputs
 from torchtitan_omni.components.deferred_read import DeferredRead
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS, LogWindow
 from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
-from torchtitan_omni.components.optimizer import clip_gradients_
+from torchtitan_omni.components.optimizer import clip_gradients_, compile_optimizer_updates
 from torchtitan_omni.components.quantization import float8_encoders, prepare_float8
 from torchtitan_omni.distributed.boundary import balance_metrics
 from torchtitan_omni.distributed.compile import compiled_graphs
@@ -127,6 +127,11 @@ class OmniTrainer(Trainer):
         if float8:
             where = " and the encoders" if float8_encoders(job_config) else ""
             logger.info(f"Float8 linears in the foundation's blocks{where}; left in bf16: {float8}")
+        #: whether the first step still has to log what the compiled optimizer update covered
+        self._log_compiled_optimizer = (job_config.compile.enable
+                                        and "optimizer" in job_config.compile.components)
+        if self._log_compiled_optimizer:
+            compile_optimizer_updates(self.optimizers, job_config.compile.backend)
         # Crash-safe, reshardable checkpoints and weights.sources (torchtitan_omni.checkpoint).
         setup_checkpointing(self)
         if is_cpu():
@@ -341,6 +346,11 @@ class OmniTrainer(Trainer):
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()
+        if self._log_compiled_optimizer:
+            self._log_compiled_optimizer = False
+            numel = sum(o.compiled_numel for o in self.optimizers)
+            logger.info(f"Optimizer: {numel / 1e6:,.1f}M of this rank's parameter elements "
+                        "updated by the compiled kernel, the rest by torch's fused one")
 
         # the previous log step's line: its values were copied behind that step's kernels,
         # which the GPU has run by now (or is about to)

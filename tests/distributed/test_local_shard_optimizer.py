@@ -1,7 +1,9 @@
 """``components.optimizer``: Adam/AdamW stepping on FSDP2's local shards against torch's own
 optimizers stepping the same DTensor parameters (DTensor's dispatch), and the gradient clipping
 on local shards against torch's ``clip_grad_norm_`` of the full (unsharded) model in one
-process, float64."""
+process, float64. "compiled" is the fused implementation with its larger tensors updated by
+the compiled kernel (``components.adam_update``; inductor's CPU backend here), against torch's
+fused optimizer."""
 
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import torch
 from tests.harness import run_distributed
 
 IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+#: local shards of at least this many elements take the compiled update in the "compiled" cases:
+#: the first two weights (48/36 and 21/14 elements on the two ranks); biases and the last
+#: weight stay with torch's fused kernel
+COMPILED_MIN_NUMEL = 14
 
 
 def _model() -> torch.nn.Module:
@@ -45,18 +51,24 @@ def _optimizers_agree(rank: int, world: int) -> dict:
     out = {}
     for name, ours_cls, torch_cls in (("AdamW", LocalShardAdamW, torch.optim.AdamW),
                                       ("Adam", LocalShardAdam, torch.optim.Adam)):
-        for impl in IMPLEMENTATIONS:
-            if name == "Adam" and impl != "fused":
+        for impl in IMPLEMENTATIONS + ("compiled",):
+            if name == "Adam" and impl not in ("fused", "compiled"):
                 continue
             kwargs = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-                      "fused": impl == "fused", "foreach": impl == "foreach"}
+                      "fused": impl in ("fused", "compiled"), "foreach": impl == "foreach",
+                      # Adam's compiled case also climbs (the gradient negated)
+                      "maximize": name == "Adam" and impl == "compiled"}
             ours_model, ref_model = _sharded(world), _sharded(world)
             ours, ref = ours_cls(ours_model.parameters(), **kwargs), torch_cls(
                 ref_model.parameters(), **kwargs)
+            if impl == "compiled":
+                ours.compile_updates(min_numel=COMPILED_MIN_NUMEL)
             for step in range(3):
                 for model, opt in ((ours_model, ours), (ref_model, ref)):
                     opt.zero_grad()
                     _grads(model, step, rank)
+                    # a schedule: the compiled update must take each step's rate
+                    opt.param_groups[0]["lr"] = 0.05 / (step + 1)
                     opt.step()
             worst = max((a.full_tensor() - b.full_tensor()).abs().max().item()
                         for a, b in zip(ours_model.parameters(), ref_model.parameters()))
@@ -74,18 +86,22 @@ def _optimizers_agree(rank: int, world: int) -> dict:
                     full = (lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
                     state_worst = max(state_worst, (full(mine) - full(value)).abs().max().item())
             out[f"{name}/{impl}"] = {"worst": worst, "moved": moved, "state_worst": state_worst,
-                                     "kinds_match": bool(kinds_match)}
+                                     "kinds_match": bool(kinds_match),
+                                     "compiled_numel": getattr(ours, "compiled_numel", 0)}
     return out
 
 
 def test_local_shard_adam_steps_as_torch_does_on_the_dtensors():
-    for rank_out in run_distributed(_optimizers_agree, 2):
-        assert len(rank_out) == 4, rank_out
+    for rank, rank_out in enumerate(run_distributed(_optimizers_agree, 2)):
+        assert len(rank_out) == 6, rank_out
         for case, r in rank_out.items():
             assert r["moved"] > 1e-3, (case, "the parameters did not move")
             assert r["worst"] <= 1e-12, (case, r)
             assert r["state_worst"] <= 1e-12, (case, r)
             assert r["kinds_match"], (case, "the state differs in keys, types or dtypes")
+            # the compiled cases' first two weights (48 + 21 or 36 + 14 elements a rank)
+            expected = {0: 69, 1: 50}[rank] if case.endswith("/compiled") else 0
+            assert r["compiled_numel"] == expected, (case, r)
 
 
 def _clip_agrees(rank: int, world: int) -> dict:
@@ -123,12 +139,14 @@ def _clipped_steps_agree(rank: int, world: int) -> dict:
     from torchtitan_omni.distributed.utils import clip_grad_norm_
 
     out = {}
-    for impl in IMPLEMENTATIONS:
+    for impl in IMPLEMENTATIONS + ("compiled",):
         kwargs = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-                  "fused": impl == "fused", "foreach": impl == "foreach"}
+                  "fused": impl in ("fused", "compiled"), "foreach": impl == "foreach"}
         ours_model, ref_model = _sharded(world), _sharded(world)
         ours = LocalShardAdamW(ours_model.parameters(), **kwargs)
         ref = torch.optim.AdamW(ref_model.parameters(), **kwargs)
+        if impl == "compiled":  # every tensor: the coefficient multiplies, as clipping does
+            ours.compile_updates(min_numel=1)
         norms = []
         # steps 0 and 1 clipped (the coefficient goes into our step); step 2 not clipped, so a
         # coefficient left over from step 1 would show
@@ -153,7 +171,7 @@ def _clipped_steps_agree(rank: int, world: int) -> dict:
 
 def test_clipping_coefficient_taken_into_the_next_step_matches_clipping_first():
     for rank_out in run_distributed(_clipped_steps_agree, 2):
-        assert sorted(rank_out) == sorted(IMPLEMENTATIONS)
+        assert sorted(rank_out) == sorted(IMPLEMENTATIONS + ("compiled",))
         for impl, r in rank_out.items():
             ours_norms, ref_norms = r["norms"][0::2], r["norms"][1::2]
             assert min(ref_norms) > 1e-2, (impl, "the gradients were not clipped", r)

@@ -250,7 +250,8 @@ KEYS: dict[str, Rule] = {
     # ------------------------------------------------------------ [compile]
     "compile.enable": checked("torch.compile of the omni model (distributed/parallelize.py); "
                               "not with async Ulysses", V.compile_enable),
-    "compile.components": checked("'model' (every part's blocks) and 'loss' (the loss kernel)",
+    "compile.components": checked("'model' (every part's blocks), 'loss' (the loss kernel) and "
+                                  "'optimizer' (the fused AdamW's update of large tensors)",
                                   V.compile_components),
     "compile.backend": honoured("passed to torch.compile"),
     # ------------------------------------------------------------ [quantize]

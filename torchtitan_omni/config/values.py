@@ -21,7 +21,7 @@ from torchtitan_omni import platform
 from torchtitan_omni.components.quantization import FLOAT8_NAMES, uses_float8
 from torchtitan_omni.eval.validator import validation_problem
 
-COMPILE_COMPONENTS = ("model", "loss")
+COMPILE_COMPONENTS = ("model", "loss", "optimizer")
 FLOAT8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
 
 
@@ -146,11 +146,15 @@ def selective_ac_option(value, cfg, ctx) -> str | None:
 
 # ----------------------------------------------------------------- compile and float8
 def compile_components(value, cfg, ctx) -> str | None:
-    """The parts torch.compile is applied to: blocks ("model") and the loss kernel ("loss")."""
+    """The parts torch.compile is applied to: blocks ("model"), the loss kernel ("loss") and
+    the optimizer's update of large tensors ("optimizer", with the fused implementation)."""
     for name in value:
         if name not in COMPILE_COMPONENTS:
-            return (f"has {name!r}: only 'model' (every part's blocks) and 'loss' (the text "
-                    "head's loss kernel) can be compiled")
+            return (f"has {name!r}: only 'model' (every part's blocks), 'loss' (the text head's "
+                    "loss kernel) and 'optimizer' (the fused AdamW's update) can be compiled")
+    if "optimizer" in value and cfg.optimizer.implementation != "fused":
+        return ("has 'optimizer', which compiles the fused implementation's update; "
+                f"optimizer.implementation is {cfg.optimizer.implementation!r}: use 'fused'")
     if cfg.compile.enable and not value:
         return "is empty, so compile.enable would compile nothing; use ['model', 'loss']"
     return None

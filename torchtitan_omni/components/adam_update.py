@@ -1,0 +1,78 @@
+"""Adam's and AdamW's update of one tensor, compiled into one kernel (``compile.components``
+with ``"optimizer"``).
+
+Why: torch's fused Adam kernel walks its tensor lists in launches of at most a few hundred
+65,536-element chunks, and on one H200 it moves the update's 32 bytes a parameter (the
+parameter, gradient and both moments read and written back) at 2.8 TB/s of the memory's
+4.8. The same update compiled by inductor, one kernel per large tensor, moves them at 3.9 TB/s
+(the 30B-A3B 12-layer cut's EP4-rank proxy, 3.97B parameters: 31.6 ms of kernels against
+44.3 ms). The optimizer step does not grow with tokens, so it is most of a MoE step's fixed
+part (issue 12; docs/performance.md).
+
+The arithmetic is torch's ``Adam``/``AdamW`` for one tensor in the order of its single-tensor
+step; the bias corrections are computed on the device from the ``step`` tensor, as the fused
+kernel does, so the host never reads the device.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+#: tensors smaller than this stay with torch's fused kernel: a compiled call takes the host
+#: about 0.1 ms, and 4M float32 elements take the GPU about as long to update
+COMPILED_MIN_NUMEL = 1 << 22
+
+#: the dtypes whose update the compiled kernel computes in the tensors' own dtype, as torch's
+#: kernels do (lower precisions compute in float32 there)
+COMPILED_DTYPES = (torch.float32, torch.float64)
+
+
+def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, step: torch.Tensor, coef: torch.Tensor | None, *,
+                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 decoupled_weight_decay: bool, maximize: bool) -> None:
+    """One Adam (or, with ``decoupled_weight_decay``, AdamW) update of ``param`` in place,
+    ``step`` already counted. ``coef``: a clipping coefficient the gradient is multiplied by
+    first and left multiplied by, as clipping before the step leaves it; None for none."""
+    if coef is not None:
+        grad.mul_(coef)
+    g = grad.neg() if maximize else grad
+    if weight_decay != 0:
+        if decoupled_weight_decay:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(param, alpha=weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step = step.to(param.dtype)  # the fused kernels' bias corrections are in the update's dtype
+    bias_correction1 = 1 - torch.pow(beta1, step)
+    bias_correction2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.sub_(exp_avg / denom * (lr / bias_correction1))
+
+
+_compiled: dict[str, Callable[..., None]] = {}
+
+
+def compiled_adam_update(backend: str = "inductor") -> Callable[..., None]:
+    """:func:`adam_update_` under ``torch.compile`` with ``backend`` (one graph for every size:
+    dynamic shapes, and the learning rate a graph input rather than a constant, so a schedule
+    does not recompile it)."""
+    if backend not in _compiled:
+        _compiled[backend] = torch.compile(adam_update_, backend=backend, fullgraph=True,
+                                           dynamic=True)
+    return _compiled[backend]
+
+
+def compiles(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+             exp_avg_sq: torch.Tensor, min_numel: int) -> bool:
+    """Whether a tensor's update goes to the compiled kernel: at least ``min_numel``
+    elements, float32 or float64, and the parameter, gradient and moments alike in dtype,
+    shape and device, each contiguous (one graph serves them all)."""
+    if param.numel() < min_numel or param.dtype not in COMPILED_DTYPES:
+        return False
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    return all(t.dtype == param.dtype and t.shape == param.shape and t.device == param.device
+               and t.is_contiguous() for t in tensors)
