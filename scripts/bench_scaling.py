@@ -274,7 +274,8 @@ def with_compiled_optimizer(point: Point) -> Point:
 def omni_1gpu(layers: int = 16) -> list[Point]:
     """One GPU, the 8B layer shape cut to ``layers`` LLM layers (full vision tower): stock
     TorchTitan, omni text-only, realistic and toy at 8K; then each compiled; the realistic
-    rows compiled with the encoders by increasing work."""
+    rows compiled with the encoders by increasing work; text-only and realistic compiled with
+    the optimizer's update compiled too."""
     cut, stem = _layers(layers), f"8B_{layers}L"
     eager = [
         Point(f"stock_llama3_{stem}_8k", f"8B_{layers}L", 1, 8192, SEL, stock=True, estimate_s=70),
@@ -289,7 +290,8 @@ def omni_1gpu(layers: int = 16) -> list[Point]:
     realistic = compiled(eager[2])
     work_order = dataclasses.replace(realistic, name=f"{realistic.name}_work_order",
                                      args=realistic.args + WORK_ORDER)
-    return eager + [compiled(p) for p in eager] + [work_order]
+    optimizer = [with_compiled_optimizer(compiled(p)) for p in eager[1:3]]
+    return eager + [compiled(p) for p in eager] + optimizer + [work_order]
 
 
 def omni_2gpu() -> list[Point]:

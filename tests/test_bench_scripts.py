@@ -465,8 +465,11 @@ def test_plans_and_the_compile_filters():
     bench = _script("bench_scaling")
     plan = bench.build_plans(llm_layers=8)["omni_1gpu"]
     assert {p.workload for p in plan} == {"text", "realistic", "toy"}
-    # the four points eager and compiled, and the compiled realistic rows by the encoders' work
-    assert sum(p.stock for p in plan) == 2 and sum(p.compile for p in plan) == 5
+    # the four points eager and compiled, text and realistic rows compiled with the optimizer
+    # too, and the compiled realistic rows by the encoders' work
+    assert sum(p.stock for p in plan) == 2 and sum(p.compile for p in plan) == 7
+    assert sorted(p.name for p in plan if p.name.endswith("_opt")) == [
+        "omni_8B_8L_8k_realistic_compile_opt", "omni_8B_8L_8k_text_only_compile_opt"]
     work = plan[-1]
     assert work.name == "omni_8B_8L_8k_realistic_compile_work_order" and work.compile
     cmd = work.command()

@@ -182,3 +182,28 @@ def test_clipping_coefficient_taken_into_the_next_step_matches_clipping_first():
             tol = 1e-6 if impl == "fused" else 1e-12
             assert r["worst"] <= tol, (impl, r)
             assert r["grads_worst"] <= tol * 1e-3, (impl, r)
+
+
+def test_compiled_update_compiles_once_per_number_of_dimensions():
+    """A schedule's new learning rate and tensors of new sizes reuse the compiled graphs: one
+    per number of dimensions (Parameters' own shapes would each get a graph), and only the
+    tensors at the size bound go to it."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from torchtitan_omni.components.optimizer import LocalShardAdamW
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    shapes = [(64, 32), (16, 8, 8), (100,), (48, 32), (12, 5, 9), (7,)]
+    params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+    opt = LocalShardAdamW(params, lr=1e-3, fused=True)
+    opt.compile_updates(min_numel=50)  # all but the 7-element bias
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.param_groups[0]["lr"] = 1e-3 / (step + 1)
+        opt.step()
+        assert opt.compiled_numel == sum(p.numel() for p in params[:-1])
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])

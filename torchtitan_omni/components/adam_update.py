@@ -57,9 +57,9 @@ _compiled: dict[str, Callable[..., None]] = {}
 
 
 def compiled_adam_update(backend: str = "inductor") -> Callable[..., None]:
-    """:func:`adam_update_` under ``torch.compile`` with ``backend`` (one graph for every size:
-    dynamic shapes, and the learning rate a graph input rather than a constant, so a schedule
-    does not recompile it)."""
+    """:func:`adam_update_` under ``torch.compile`` with ``backend`` (dynamic shapes: one graph
+    per number of dimensions for tensors that are not Parameters; the learning rate a graph
+    input rather than a constant, so a schedule does not recompile it)."""
     if backend not in _compiled:
         _compiled[backend] = torch.compile(adam_update_, backend=backend, fullgraph=True,
                                            dynamic=True)
