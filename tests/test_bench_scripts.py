@@ -489,7 +489,7 @@ def test_plans_and_the_compile_filters():
     assert realistic.dataset() == "data/realistic/llama_omni_8B_8k"
     assert "--workload realistic" in " ".join(realistic.build_command())
     assert [p.compile for p in bench.select(plan, "", True, False)] == [False] * 4
-    assert [p.compile for p in bench.select(plan, "", False, True)] == [True] * 5
+    assert [p.compile for p in bench.select(plan, "", False, True)] == [True] * 7
     assert [p.name for p in bench.select(plan, "omni_8B_8L_8k_toy", False, False)] == [
         "omni_8B_8L_8k_toy"]
     with pytest.raises(SystemExit, match="no point nope"):
