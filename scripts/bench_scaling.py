@@ -715,16 +715,15 @@ def moe_1gpu() -> list[Point]:
     copies per token), packed text at 8K and 16K, full AC, eager and compiled: the part of
     the step that does not grow with tokens without any exchange, skew or FSDP collective
     (issue 12: the EP4 pair's is 0.079 s compiled, 22.9% of its 8K step); last the realistic
-    media rows at 8K, compiled; then the compiled text points with the optimizer's update
-    compiled too."""
+    media rows at 8K, compiled; then the compiled points with the optimizer's update compiled
+    too."""
     cut = _layers(12) + FULL + _ep(1) + OMNI_FLAVORS + ("--model.flavor", "30B-A3B_ep4_rank")
     points = [Point(f"moe_30B-A3B-ep4rank_12L_{seq // 1024}k_1gpu_text_exact", MOE, 1, seq, cut,
                     workload="text", estimate_s=60) for seq in (8192, 16384)]
     realistic = Point("moe_30B-A3B-ep4rank_12L_8k_1gpu_realistic_exact", MOE, 1, 8192, cut,
                       workload="realistic", estimate_s=70)
-    text = [compiled(p, 60) for p in points]
-    return (points + text + [compiled(realistic, 70)]
-            + [with_compiled_optimizer(p) for p in text])
+    media = [compiled(p, 60) for p in points] + [compiled(realistic, 70)]
+    return points + media + [with_compiled_optimizer(p) for p in media]
 
 
 def moe_dispatch(ngpu: int) -> list[Point]:

@@ -653,7 +653,7 @@ def test_ep4_rank_flavor_of_the_moe_and_its_one_gpu_points():
     assert sorted((p.seq_len, p.compile, p.workload, p.name.endswith("_opt"))
                   for p in points) == [
         (8192, False, "text", False), (8192, True, "realistic", False),
-        (8192, True, "text", False), (8192, True, "text", True),
+        (8192, True, "realistic", True), (8192, True, "text", False), (8192, True, "text", True),
         (16384, False, "text", False), (16384, True, "text", False),
         (16384, True, "text", True)]
     for p in points:
