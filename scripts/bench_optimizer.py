@@ -16,9 +16,11 @@ take is measured rather than guessed:
 Prints one markdown row per world size: parameters per rank, the fused AdamW step, the
 clipping norm, the clipping scale, clipping as TorchTitan runs it (both), AdamW and clipping
 together, AdamW with the clipping scale inside its kernel (``grad_scale``, the hook torch's
-fused AdamW has for it), the trainer's optimizer with ``compile.components`` holding
-"optimizer" (the large tensors' update compiled, the scale inside it; the share of elements
-it covers), and the memory bandwidth each reached (bytes
+fused AdamW has for it), the trainer's optimizer (``LocalShardAdamW``, the scale inside its
+step) as it is and with ``compile.components`` holding "optimizer" (the large tensors' update
+compiled; the share of elements it covers), each also as GPU time with the host ahead of the
+GPU (in brackets: how a training step runs it, its launches queued behind the backward), and
+the memory bandwidth each reached (bytes
 an ideal kernel moves: AdamW reads parameter, gradient and both moments and writes three back,
 28 bytes per parameter; the norm reads the gradient; the scale reads and writes it).
 """
@@ -72,6 +74,34 @@ def _timed(fn, device: torch.device, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _gpu_timed(fn, device: torch.device, iters: int, lead_ms: float = 150.0) -> float:
+    """Median milliseconds of the GPU's work in ``fn`` with the host ahead of it, as in a
+    training step, where the optimizer's launches queue behind the backward: matmuls keep the
+    GPU busy for about ``lead_ms`` while the host queues ``fn``, and CUDA events time what
+    follows them. On CPU, :func:`_timed`."""
+    if device.type != "cuda":
+        return _timed(fn, device, iters)
+    busy = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    busy @ busy
+    end.record()
+    torch.cuda.synchronize()
+    matmuls = max(1, int(lead_ms / max(start.elapsed_time(end), 1e-3)))
+    fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        for _ in range(matmuls):
+            busy @ busy
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def measure(numels: list[int], device: torch.device, iters: int, max_norm: float = 1.0) -> dict:
     """Time TorchTitan's optimizer setting (AdamW, fused, the MoE configs' hyper-parameters)
     and gradient clipping over parameters of these sizes."""
@@ -96,27 +126,33 @@ def measure(numels: list[int], device: torch.device, iters: int, max_norm: float
     scaled_ms = _timed(opt.step, device, iters)
     del opt.grad_scale
     del opt
-    # the trainer's optimizer with ``compile.components`` holding "optimizer": the large
-    # tensors' update compiled (one kernel each), the clipping coefficient inside it
+    # the trainer's optimizer, the clipping coefficient inside its step: torch's fused kernel
+    # for every tensor, then with ``compile.components`` holding "optimizer" (the large
+    # tensors' update compiled, one kernel each)
     from torchtitan_omni.components.optimizer import LocalShardAdamW
 
     ours = LocalShardAdamW(params, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                            fused=True)
-    ours.compile_updates()
     coef = torch.tensor(1 / 1.001, device=device)
 
-    def compiled_step() -> None:
+    def trainer_step() -> None:
         ours.scale_grads_in_next_step(coef)
         ours.step()
 
-    compiled_ms = _timed(compiled_step, device, iters)
+    trainer_ms = _timed(trainer_step, device, iters)
+    trainer_gpu_ms = _gpu_timed(trainer_step, device, iters)
+    ours.compile_updates()
+    compiled_ms = _timed(trainer_step, device, iters)
+    compiled_gpu_ms = _gpu_timed(trainer_step, device, iters)
     total = sum(numels)
 
     def gbps(nbytes: int, ms: float) -> float:
         return nbytes * total / ms / 1e6
 
     return {"params": total, "adamw_ms": adamw_ms, "scaled_ms": scaled_ms,
-            "compiled_ms": compiled_ms, "compiled_share": ours.compiled_numel / total,
+            "trainer_ms": trainer_ms, "compiled_ms": compiled_ms,
+            "trainer_gpu_ms": trainer_gpu_ms, "compiled_gpu_ms": compiled_gpu_ms,
+            "compiled_share": ours.compiled_numel / total,
             "norm_ms": norm_ms,
             "scale_ms": scale_ms, "clip_ms": clip_ms, "adamw_gbps": gbps(ADAMW_BYTES, adamw_ms),
             "norm_gbps": gbps(NORM_BYTES, norm_ms), "scale_gbps": gbps(SCALE_BYTES, scale_ms)}
@@ -144,15 +180,17 @@ def main(argv: list[str] | None = None) -> None:
           f"parameters and moments, AdamW fused (lr 1e-5, betas 0.9/0.95, weight decay 0.1), "
           f"clipping at max_norm 1.0 (foreach); median of {args.iters} runs, ms and GB/s\n")
     print("| ranks | parameters per rank | AdamW step | clip norm | clip scale | clip (both) | "
-          "AdamW + clip | AdamW, scale inside | compiled update, scale inside (share) | "
-          "AdamW GB/s | norm GB/s | scale GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "AdamW + clip | AdamW, scale inside | trainer's AdamW, scale inside (GPU, host "
+          "ahead) | the same, update compiled (GPU, host ahead; share) | AdamW GB/s | "
+          "norm GB/s | scale GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for world in worlds:
         r = measure(shard_numels(args.spec, args.flavor, args.llm_layers, world), device,
                     args.iters)
         print(f"| {world} | {r['params'] / 1e6:,.1f}M | {r['adamw_ms']:.1f} | {r['norm_ms']:.1f} | "
               f"{r['scale_ms']:.1f} | {r['clip_ms']:.1f} | {r['adamw_ms'] + r['clip_ms']:.1f} | "
-              f"{r['scaled_ms']:.1f} | {r['compiled_ms']:.1f} ({r['compiled_share']:.0%}) | "
+              f"{r['scaled_ms']:.1f} | {r['trainer_ms']:.1f} ({r['trainer_gpu_ms']:.1f}) | "
+              f"{r['compiled_ms']:.1f} ({r['compiled_gpu_ms']:.1f}; {r['compiled_share']:.0%}) | "
               f"{r['adamw_gbps']:,.0f} | {r['norm_gbps']:,.0f} | {r['scale_gbps']:,.0f} |",
               flush=True)
         if device.type == "cuda":
