@@ -207,3 +207,52 @@ def test_compiled_update_compiles_once_per_number_of_dimensions():
         opt.step()
         assert opt.compiled_numel == sum(p.numel() for p in params[:-1])
     assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+
+
+def test_compiled_update_resumes_from_a_state_dict_as_it_ran_on():
+    """Two steps, the optimizer's state saved and loaded into a new optimizer over copies of the
+    parameters, a third step: the same parameters and state as three steps in one go (the step
+    counters and moments the compiled update reads come back as torch's load puts them)."""
+    from torchtitan_omni.components.optimizer import LocalShardAdamW
+
+    def params() -> list[torch.nn.Parameter]:
+        g = torch.Generator().manual_seed(1)
+        return [torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64))
+                for s in ((40, 30), (6, 5, 7), (9,))]
+
+    def grads(ps, step: int) -> None:
+        g = torch.Generator().manual_seed(10 + step)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+
+    def make(ps):
+        opt = LocalShardAdamW(ps, lr=0.02, betas=(0.8, 0.95), weight_decay=0.1, fused=True)
+        opt.compile_updates(min_numel=100)  # the two weights; the bias goes to the fused kernel
+        return opt
+
+    straight = params()
+    straight_opt = make(straight)
+    for step in range(3):
+        grads(straight, step)
+        straight_opt.step()
+
+    first = params()
+    opt = make(first)
+    for step in range(2):
+        grads(first, step)
+        opt.step()
+    saved = opt.state_dict()
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in first]
+    opt = make(resumed)
+    opt.load_state_dict(saved)
+    grads(resumed, 2)
+    opt.step()
+    assert opt.compiled_numel == 40 * 30 + 6 * 5 * 7
+    for a, b in zip(resumed, straight):
+        assert torch.equal(a, b)
+    ours, ref = opt.state_dict()["state"], straight_opt.state_dict()["state"]
+    assert ours.keys() == ref.keys()
+    for i in ref:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours[i][key], ref[i][key]), (i, key)
+            assert ours[i][key].dtype == ref[i][key].dtype
