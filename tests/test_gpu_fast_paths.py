@@ -342,13 +342,14 @@ def test_a_deferred_lines_window_covers_the_gpus_time():
 
 
 
-def test_clipping_inside_the_fused_cuda_step_matches_clipping_first():
-    """The CUDA fused AdamW with the clipping coefficient taken into its step (its kernel
-    divides each float32 gradient by the inverse) against clipping first and torch's fused
-    AdamW, over two clipped steps and one unclipped: the clipped gradients equal to float32
-    rounding, the parameters' movement within 1e-3 (Adam's moments amplify rounding where
-    steps' gradients cancel: up to 1.3e-5 on CPU; 0.3-0.6 with the coefficient un-inverted or
-    left over into the unclipped step)."""
+def _clipped_steps_against_clipping_first(compile_min_numel: int | None = None,
+                                          schedule: bool = False) -> tuple[float, float, list]:
+    """``LocalShardAdamW`` (fused, CUDA) with the clipping coefficient taken into its step
+    against clipping first and torch's fused AdamW, over two clipped steps and one unclipped,
+    on a small MLP: the parameters' movement's relative difference and size, and the elements
+    the compiled update took each step (``compile_min_numel``: its size bound, None for
+    off; ``schedule``: a new learning rate each step). The clipped gradients after the first
+    step are checked here, to float32 rounding."""
     from torchtitan_omni.components.optimizer import LocalShardAdamW, clip_gradients_
     from torchtitan_omni.distributed.utils import clip_grad_norm_
 
@@ -359,17 +360,23 @@ def test_clipping_inside_the_fused_cuda_step_matches_clipping_first():
     kwargs = {"lr": 0.05, "betas": (0.8, 0.95), "weight_decay": 0.1, "fused": True}
     ours_model, ref_model = base, copy.deepcopy(base)
     ours = LocalShardAdamW(ours_model.parameters(), **kwargs)
+    if compile_min_numel is not None:
+        ours.compile_updates(min_numel=compile_min_numel)
     ref = torch.optim.AdamW(ref_model.parameters(), **kwargs)
     x = torch.randn(3, 16, 64, device="cuda")
+    compiled = []
     for step in range(3):
         for model, opt in ((ours_model, ours), (ref_model, ref)):
             opt.zero_grad()
             model(x[step]).square().sum().backward()
+            if schedule:
+                opt.param_groups[0]["lr"] = 0.05 / (step + 1)
             if step < 2 and opt is ours:
                 clip_gradients_([ours], list(model.parameters()), 1e-2)
             elif step < 2:
                 assert float(clip_grad_norm_(list(model.parameters()), 1e-2)) > 1e-2
             opt.step()
+        compiled.append(ours.compiled_numel)
         if step == 0:
             for a, b in zip(ours_model.parameters(), ref_model.parameters()):
                 assert _rel(a.grad, b.grad) < 1e-6
@@ -377,44 +384,26 @@ def test_clipping_inside_the_fused_cuda_step_matches_clipping_first():
              for a, b, s in zip(ours_model.parameters(), ref_model.parameters(), start)]
     diff = sum(float((a - b).square().sum()) for a, b in moved) ** 0.5
     total = sum(float(b.square().sum()) for _, b in moved) ** 0.5
-    assert total > 0.05 and diff / total < 1e-3, (diff, total)
+    return diff / total, total, compiled
+
+
+def test_clipping_inside_the_fused_cuda_step_matches_clipping_first():
+    """The CUDA fused AdamW with the clipping coefficient taken into its step (its kernel
+    divides each float32 gradient by the inverse) against clipping first: the clipped gradients
+    equal to float32 rounding, the parameters' movement within 1e-3 (Adam's moments amplify
+    rounding where steps' gradients cancel: up to 1.3e-5 on CPU; 0.3-0.6 with the coefficient
+    un-inverted or left over into the unclipped step)."""
+    relative, total, compiled = _clipped_steps_against_clipping_first()
+    assert total > 0.05 and relative < 1e-3, (relative, total)
+    assert compiled == [0, 0, 0]
 
 
 def test_compiled_update_on_cuda_matches_torch_fused_adamw():
     """``compile.components`` "optimizer" on CUDA: the weights' update compiled (Triton), the
     biases' by torch's fused kernel, the clipping coefficient inside the step, a changing
-    learning rate; against clipping first and torch's fused AdamW over two clipped steps and one
-    unclipped: the clipped gradients to float32 rounding, the parameters' movement within 1e-3
-    (as the test above: Adam amplifies rounding where steps' gradients cancel)."""
-    from torchtitan_omni.components.optimizer import LocalShardAdamW, clip_gradients_
-    from torchtitan_omni.distributed.utils import clip_grad_norm_
-
-    torch.manual_seed(0)
-    base = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.GELU(),
-                               torch.nn.Linear(48, 8)).cuda()
-    start = [p.detach().clone() for p in base.parameters()]
-    kwargs = {"lr": 0.05, "betas": (0.8, 0.95), "weight_decay": 0.1, "fused": True}
-    ours_model, ref_model = base, copy.deepcopy(base)
-    ours = LocalShardAdamW(ours_model.parameters(), **kwargs)
-    ours.compile_updates(min_numel=384)  # both weights (3,072 and 384 elements), no bias
-    ref = torch.optim.AdamW(ref_model.parameters(), **kwargs)
-    x = torch.randn(3, 16, 64, device="cuda")
-    for step in range(3):
-        for model, opt in ((ours_model, ours), (ref_model, ref)):
-            opt.zero_grad()
-            model(x[step]).square().sum().backward()
-            opt.param_groups[0]["lr"] = 0.05 / (step + 1)
-            if step < 2 and opt is ours:
-                clip_gradients_([ours], list(model.parameters()), 1e-2)
-            elif step < 2:
-                assert float(clip_grad_norm_(list(model.parameters()), 1e-2)) > 1e-2
-            opt.step()
-        assert ours.compiled_numel == 3072 + 384
-        if step == 0:
-            for a, b in zip(ours_model.parameters(), ref_model.parameters()):
-                assert _rel(a.grad, b.grad) < 1e-6
-    moved = [(a.detach() - s, b.detach() - s)
-             for a, b, s in zip(ours_model.parameters(), ref_model.parameters(), start)]
-    diff = sum(float((a - b).square().sum()) for a, b in moved) ** 0.5
-    total = sum(float(b.square().sum()) for _, b in moved) ** 0.5
-    assert total > 0.05 and diff / total < 1e-3, (diff, total)
+    learning rate; against clipping first and torch's fused AdamW, within the same bounds as
+    the test above."""
+    # both weights (3,072 and 384 elements), no bias
+    relative, total, compiled = _clipped_steps_against_clipping_first(384, schedule=True)
+    assert total > 0.05 and relative < 1e-3, (relative, total)
+    assert compiled == [3072 + 384] * 3
