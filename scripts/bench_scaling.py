@@ -91,7 +91,7 @@ class Point:
     estimate_s: int = 90  # for --deadline
     stock: bool = False  # stock TorchTitan (torchtitan.train, Llama-3), else run_train.sh
     workload: str = "toy"  # one of WORKLOADS (stock points: text)
-    compile: bool = False  # torch.compile (model, loss), TORCH_LOGS=recompiles
+    compile: bool = False  # torch.compile (compile_components), TORCH_LOGS=recompiles
     compile_components: str = COMPILE_COMPONENTS  # with compile: compile.components
     env: dict[str, str] = field(default_factory=dict)
     build_args: tuple[str, ...] = ()  # extra arguments of its dataset's builder
