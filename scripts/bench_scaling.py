@@ -271,6 +271,16 @@ def with_compiled_optimizer(point: Point) -> Point:
                                compile_components=f"{point.compile_components},optimizer")
 
 
+#: the experts read bf16 copies of their weights that the optimizer keeps
+COMPUTE_COPIES = ("--parallelism.expert_compute_copies",)
+
+
+def with_compute_copies(point: Point) -> Point:
+    """A MoE point whose experts read the compute copies the optimizer keeps
+    (``parallelism.expert_compute_copies``: components/compute_copies.py)."""
+    return dataclasses.replace(point, name=f"{point.name}_cc", args=point.args + COMPUTE_COPIES)
+
+
 def omni_1gpu(layers: int = 16) -> list[Point]:
     """One GPU, the 8B layer shape cut to ``layers`` LLM layers (full vision tower): stock
     TorchTitan, omni text-only, realistic and toy at 8K; then each compiled; the realistic
@@ -656,7 +666,8 @@ def fixed_part_points(ep: int) -> list[Point]:
     plan: what part of the step does not grow with tokens (issue 12); also both at once; and
     with no FSDP unit resharded after its forward (no all-gather in the backward); and with the
     group's tokens gathered (``expert_dispatch = "gather"``: no host read, fixed shapes), eager
-    and compiled (each MoE layer one graph)."""
+    and compiled (each MoE layer one graph), compiled with the optimizer's update (``_opt``)
+    and with the experts' compute copies too (``_opt_cc``)."""
     points = [Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep{ep}_text_exact_{tag}", MOE, ep, seq,
                     _layers(12) + flags + _ep(ep), workload="text", estimate_s=80)
               for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM),
@@ -664,7 +675,8 @@ def fixed_part_points(ep: int) -> list[Point]:
                                  ("reshard_never", FULL + RESHARD_NEVER), ("gather", FULL + GATHER))
               for seq in (8192, 16384)]
     gather = [compiled(p, 70) for p in points if p.name.endswith("_gather")]
-    return points + gather + [with_compiled_optimizer(p) for p in gather]
+    optimizer = [with_compiled_optimizer(p) for p in gather]
+    return points + gather + optimizer + [with_compute_copies(p) for p in optimizer]
 
 
 def moe_2gpu() -> list[Point]:
@@ -716,14 +728,15 @@ def moe_1gpu() -> list[Point]:
     the step that does not grow with tokens without any exchange, skew or FSDP collective
     (issue 12: the EP4 pair's is 0.079 s compiled, 22.9% of its 8K step); last the realistic
     media rows at 8K, compiled; then the compiled points with the optimizer's update compiled
-    too."""
+    too, and those with the experts reading the bf16 copies the optimizer keeps."""
     cut = _layers(12) + FULL + _ep(1) + OMNI_FLAVORS + ("--model.flavor", "30B-A3B_ep4_rank")
     points = [Point(f"moe_30B-A3B-ep4rank_12L_{seq // 1024}k_1gpu_text_exact", MOE, 1, seq, cut,
                     workload="text", estimate_s=60) for seq in (8192, 16384)]
     realistic = Point("moe_30B-A3B-ep4rank_12L_8k_1gpu_realistic_exact", MOE, 1, 8192, cut,
                       workload="realistic", estimate_s=70)
     media = [compiled(p, 60) for p in points] + [compiled(realistic, 70)]
-    return points + media + [with_compiled_optimizer(p) for p in media]
+    optimizer = [with_compiled_optimizer(p) for p in media]
+    return points + media + optimizer + [with_compute_copies(p) for p in optimizer]
 
 
 def moe_dispatch(ngpu: int) -> list[Point]:

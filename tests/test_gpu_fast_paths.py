@@ -407,3 +407,47 @@ def test_compiled_update_on_cuda_matches_torch_fused_adamw():
     relative, total, compiled = _clipped_steps_against_clipping_first(384, schedule=True)
     assert total > 0.05 and relative < 1e-3, (relative, total)
     assert compiled == [3072 + 384] * 3
+
+
+def _expert_steps_on_cuda(with_copies: bool) -> tuple[list[torch.Tensor], list[bool]]:
+    from torchtitan_omni.components.compute_copies import keep_expert_compute_copies
+    from torchtitan_omni.components.optimizer import LocalShardAdamW, keep_compute_copies
+    from torchtitan_omni.modules.moe import EXPERT_WEIGHTS, GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(256, 128, 8).cuda()  # float32 weights
+    with torch.no_grad():
+        for which in EXPERT_WEIGHTS:
+            getattr(experts, which).normal_(0, 0.05)
+    experts.compute_dtype = torch.bfloat16  # as outside FSDP: grouped GEMM in bf16
+    opt = LocalShardAdamW(experts.parameters(), lr=1e-3, fused=True)
+    opt.compile_updates(min_numel=8 * 256 * 128)
+    copies = None
+    if with_copies:
+        copies = keep_expert_compute_copies([experts], None)
+        keep_compute_copies([opt], copies.copies)
+        copies.refresh()
+    counts = torch.tensor([0, 7, 1, 33, 0, 130, 5, 80], device="cuda")
+    fresh = []
+    for step in range(3):
+        opt.zero_grad()
+        g = torch.Generator(device="cuda").manual_seed(step)
+        x = torch.randn(int(counts.sum()), 256, device="cuda", generator=g, dtype=torch.bfloat16)
+        experts(x, counts).float().square().sum().backward()
+        opt.step()
+        if copies is not None:
+            fresh.append(all(torch.equal(c, p.detach().to(torch.bfloat16))
+                             for p, c in copies.copies.items()))
+    return [p.detach().clone() for p in experts.parameters()], fresh
+
+
+def test_expert_compute_copies_on_cuda_match_casting_each_pass():
+    """``parallelism.expert_compute_copies`` on CUDA: float32 experts computing in bf16 by
+    grouped GEMM, the update compiled with the bf16 copies written in its kernel; three steps
+    give the weights of three steps casting the weights in every pass, and every copy is its
+    weight's cast after every step."""
+    ref, _ = _expert_steps_on_cuda(False)
+    got, fresh = _expert_steps_on_cuda(True)
+    assert fresh == [True] * 3
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b), (a - b).abs().max().item()

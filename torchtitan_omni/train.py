@@ -57,7 +57,12 @@ from torchtitan_omni.components.inputs import ModelInputs, model_inputs
 from torchtitan_omni.components.deferred_read import DeferredRead
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS, LogWindow
 from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
-from torchtitan_omni.components.optimizer import clip_gradients_, compile_optimizer_updates
+from torchtitan_omni.components.compute_copies import ComputeCopies, keep_expert_compute_copies
+from torchtitan_omni.components.optimizer import (
+    clip_gradients_,
+    compile_optimizer_updates,
+    keep_compute_copies,
+)
 from torchtitan_omni.components.quantization import float8_encoders, prepare_float8
 from torchtitan_omni.distributed.boundary import balance_metrics
 from torchtitan_omni.distributed.compile import compiled_graphs
@@ -91,7 +96,7 @@ from torchtitan_omni.encoder_ranks import (
     llm_accumulation_steps,
     serve_encoders,
 )
-from torchtitan_omni.errors import OmniInputError
+from torchtitan_omni.errors import ConfigError, OmniInputError
 from torchtitan_omni.flops import FlopCounter
 from torchtitan_omni.modules.host import hold_on_host, to_device
 from torchtitan_omni.platform import is_cpu
@@ -150,6 +155,11 @@ class OmniTrainer(Trainer):
             self._join_rank_set(dims)
         if self.encoder_server is None:
             self.flop_counter = FlopCounter(self.model_parts[0])
+        #: parallelism.expert_compute_copies: the copies, refreshed before the first step
+        self.compute_copies: ComputeCopies | None = None
+        self._compute_copies_stale = True
+        if job_config.parallelism.expert_compute_copies and self.encoder_server is None:
+            self._keep_compute_copies()
         logger.info(output_locations(job_config))
         if not is_cpu():  # run_train.sh's default; torchrun without it gets the driver's
             queues = os.environ.get("CUDA_SCALE_LAUNCH_QUEUES") or "the driver's default"
@@ -158,6 +168,22 @@ class OmniTrainer(Trainer):
         self.moe_counter = MoECounter()
 
     # ----------------------------------------------------------------- set-up
+    def _keep_compute_copies(self) -> None:
+        # the autocast TorchTitan runs without FSDP (none on CPU: see above)
+        autocast = getattr(self.maybe_enable_amp, "fast_dtype", None)
+        copies = keep_expert_compute_copies(self.model_parts, autocast)
+        if not copies:
+            raise ConfigError(
+                "parallelism.expert_compute_copies: no MoE experts here cast their own weights "
+                "(they do under expert parallel over every data rank with every LLM block "
+                "checkpointed, or without FSDP under a lower-precision autocast): FSDP's mixed "
+                "precision casts them, they compute in their weights' dtype (float32 training, "
+                "CPU), or the model has none; leave it off")
+        keep_compute_copies(self.optimizers, copies.copies)
+        self.compute_copies = copies
+        logger.info(f"Experts read {copies.numel / 1e6:,.1f}M elements of compute copies "
+                    "that the optimizer keeps (parallelism.expert_compute_copies)")
+
     def init_distributed(self) -> OmniParallelDims:
         cfg = self.job_config
         if cfg.parallelism.ulysses_async and cfg.parallelism.ulysses_degree > 1:
@@ -252,6 +278,11 @@ class OmniTrainer(Trainer):
             return
         self.metrics_processor.steps_since_last_log += 1
         self.optimizers.zero_grad()
+        if self.compute_copies is not None and self._compute_copies_stale:
+            # the weights as loaded (checkpoint, weights.sources) or initialized; from here
+            # on each optimizer step rewrites the copies
+            self.compute_copies.refresh()
+            self._compute_copies_stale = False
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         dims: OmniParallelDims = self.parallel_dims
         model = self.model_parts[0]

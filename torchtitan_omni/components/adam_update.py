@@ -30,12 +30,15 @@ COMPILED_DTYPES = (torch.float32, torch.float64)
 
 
 def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                 exp_avg_sq: torch.Tensor, step: torch.Tensor, coef: torch.Tensor | None, *,
-                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 decoupled_weight_decay: bool, maximize: bool) -> None:
+                 exp_avg_sq: torch.Tensor, step: torch.Tensor, coef: torch.Tensor | None,
+                 compute_copy: torch.Tensor | None = None, *, lr: float, beta1: float,
+                 beta2: float, eps: float, weight_decay: float, decoupled_weight_decay: bool,
+                 maximize: bool) -> None:
     """One Adam (or, with ``decoupled_weight_decay``, AdamW) update of ``param`` in place,
     ``step`` already counted. ``coef``: a clipping coefficient the gradient is multiplied by
-    first and left multiplied by, as clipping before the step leaves it; None for none."""
+    first and left multiplied by, as clipping before the step leaves it; None for none.
+    ``compute_copy``: a lower-precision copy of ``param`` set to the updated value's cast
+    (``components.compute_copies``), or None."""
     if coef is not None:
         grad.mul_(coef)
     g = grad.neg() if maximize else grad
@@ -51,6 +54,8 @@ def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     bias_correction2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     param.sub_(exp_avg / denom * (lr / bias_correction1))
+    if compute_copy is not None:
+        compute_copy.copy_(param)
 
 
 _compiled: dict[str, Callable[..., None]] = {}
@@ -67,12 +72,18 @@ def compiled_adam_update(backend: str = "inductor") -> Callable[..., None]:
 
 
 def compiles(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-             exp_avg_sq: torch.Tensor, min_numel: int) -> bool:
+             exp_avg_sq: torch.Tensor, min_numel: int,
+             compute_copy: torch.Tensor | None = None) -> bool:
     """Whether a tensor's update goes to the compiled kernel: at least ``min_numel``
     elements, float32 or float64, and the parameter, gradient and moments alike in dtype,
-    shape and device, each contiguous (one graph serves them all)."""
+    shape and device, each contiguous (one graph serves them all), and so the compute copy
+    but for its dtype."""
     if param.numel() < min_numel or param.dtype not in COMPILED_DTYPES:
         return False
     tensors = (param, grad, exp_avg, exp_avg_sq)
-    return all(t.dtype == param.dtype and t.shape == param.shape and t.device == param.device
-               and t.is_contiguous() for t in tensors)
+    if not all(t.dtype == param.dtype for t in tensors):
+        return False
+    if compute_copy is not None:
+        tensors += (compute_copy,)
+    return all(t.shape == param.shape and t.device == param.device and t.is_contiguous()
+               for t in tensors)

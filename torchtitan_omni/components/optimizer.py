@@ -78,6 +78,8 @@ class _LocalShardStep:
         self._compile_backend = "inductor"
         #: elements the compiled kernel updated in the last step
         self.compiled_numel = 0
+        #: parameter -> the compute-dtype copy of its local tensor each step rewrites
+        self._compute_copies: dict[torch.Tensor, torch.Tensor] = {}
 
     def compile_updates(self, min_numel: int = COMPILED_MIN_NUMEL, backend: str = "inductor"
                         ) -> None:
@@ -89,6 +91,14 @@ class _LocalShardStep:
                 raise ValueError(f"{type(self).__name__}: compiled updates need the fused "
                                  "implementation without amsgrad")
         self._compiled_min_numel, self._compile_backend = min_numel, backend
+
+    def keep_compute_copies(self, copies: dict[torch.Tensor, torch.Tensor]) -> None:
+        """After each update of a parameter of ``copies`` (parameter -> a copy of its local
+        tensor in a lower precision), set the copy to the new value's cast
+        (``components.compute_copies``): in the compiled kernel's pass where the update is
+        compiled, in one copy after the step otherwise."""
+        mine = {p for group in self.param_groups for p in group["params"]}
+        self._compute_copies = {p: c for p, c in copies.items() if p in mine}
 
     def scale_grads_in_next_step(self, coef: torch.Tensor) -> None:
         """Multiply the gradients by the device scalar ``coef`` (a clipping coefficient) in
@@ -106,6 +116,7 @@ class _LocalShardStep:
         self.compiled_numel = 0
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+            copies: list[torch.Tensor | None] = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -129,9 +140,10 @@ class _LocalShardStep:
                 if group["amsgrad"]:
                     max_exp_avg_sqs.append(_local(state["max_exp_avg_sq"]))
                 steps.append(state["step"])
+                copies.append(self._compute_copies.get(p))
             if self._compiled_min_numel is not None:
-                params, grads, exp_avgs, exp_avg_sqs, steps = self._update_compiled(
-                    group, coef, params, grads, exp_avgs, exp_avg_sqs, steps)
+                params, grads, exp_avgs, exp_avg_sqs, steps, copies = self._update_compiled(
+                    group, coef, params, grads, exp_avgs, exp_avg_sqs, steps, copies)
             if not params:
                 continue
             grad_scale = None
@@ -149,26 +161,31 @@ class _LocalShardStep:
                  amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
                  weight_decay=group["weight_decay"], eps=group["eps"],
                  maximize=group["maximize"])
+            for param, copy in zip(params, copies):
+                if copy is not None:
+                    copy.copy_(param)
         return loss
 
-    def _update_compiled(self, group, coef, params, grads, exp_avgs, exp_avg_sqs, steps):
+    def _update_compiled(self, group, coef, params, grads, exp_avgs, exp_avg_sqs, steps,
+                         copies):
         """Update the group's large tensors with the compiled kernel; hand back the lists of
         the rest."""
-        lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
-        chosen = [compiles(p, g, m, v, self._compiled_min_numel)
-                  for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs)]
+        lists = (params, grads, exp_avgs, exp_avg_sqs, steps, copies)
+        chosen = [compiles(p, g, m, v, self._compiled_min_numel, c)
+                  for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, copies)]
         if not any(chosen):
             return lists
         big = [[t for t, c in zip(lst, chosen) if c] for lst in lists]
         torch._foreach_add_(big[4], 1)  # the step counts, as the fused kernel counts them
         update = compiled_adam_update(self._compile_backend)
         beta1, beta2 = group["betas"]
-        for p, g, m, v, step in zip(*big):
+        for p, g, m, v, step, copy in zip(*big):
             self.compiled_numel += p.numel()
             # plain aliases: dynamo keeps a Parameter's shape static (a graph per shape) and
             # guards a view on its base's; these get one graph per number of dimensions
             p, g, m, v = (t.data for t in (p, g, m, v))
-            update(p, g, m, v, step, coef, lr=group["lr"], beta1=beta1, beta2=beta2,
+            update(p, g, m, v, step, coef, None if copy is None else copy.data,
+                   lr=group["lr"], beta1=beta1, beta2=beta2,
                    eps=group["eps"], weight_decay=group["weight_decay"],
                    decoupled_weight_decay=group["decoupled_weight_decay"],
                    maximize=group["maximize"])
@@ -216,6 +233,17 @@ def compile_optimizer_updates(optimizers: OptimizersContainer, backend: str = "i
             raise ValueError(f"compile.components 'optimizer': {type(optimizer).__name__} is "
                              "not one of the omni trainer's Adam/AdamW")
         optimizer.compile_updates(backend=backend)
+
+
+def keep_compute_copies(optimizers: OptimizersContainer,
+                        copies: dict[torch.Tensor, torch.Tensor]) -> None:
+    """``parallelism.expert_compute_copies``: every optimizer rewrites the compute copies of
+    the parameters it updates (:meth:`_LocalShardStep.keep_compute_copies`)."""
+    for optimizer in optimizers:
+        if not isinstance(optimizer, _LocalShardStep):
+            raise ValueError(f"parallelism.expert_compute_copies: {type(optimizer).__name__} "
+                             "is not one of the omni trainer's Adam/AdamW")
+        optimizer.keep_compute_copies(copies)
 
 
 @torch.no_grad()

@@ -124,6 +124,17 @@ class Parallelism:
     one exchange each way. Same drops, outputs and gradients as 1 (up
     to float summation order); no effect without expert parallel. See docs/parallelism.md."""
 
+    expert_compute_copies: bool = False
+    """Keep each local expert weight's bfloat16 (the compute dtype's) copy, rewritten by the
+    optimizer step as it updates the weight (in the compiled update's kernel with
+    compile.components "optimizer"), and let the experts read it instead of casting their
+    float32 weights in every forward and recompute. For MoE experts that cast their own
+    weights: under expert parallel over every data rank with every LLM block checkpointed
+    (the experts then skip FSDP), or without FSDP (one GPU). Costs 2 bytes of memory per
+    local expert parameter; the same numbers, bit for bit. Refused where no expert casts its
+    own weights (FSDP's mixed precision casts them at its all-gather). See
+    docs/parallelism.md."""
+
     expert_ac_keep_exchanges: bool = False
     """Expert parallel with activation checkpointing of the LLM blocks: checkpoint each MoE
     block around its expert all-to-alls (its norms, attention and experts each on their own)

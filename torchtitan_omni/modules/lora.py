@@ -31,10 +31,13 @@ import torch.nn.functional as F
 from torchtitan_omni.modules.wrapping import extend_class
 from torchtitan_omni.modules import init
 from torchtitan_omni.modules.linear_cross_entropy import LinearHead
-from torchtitan_omni.modules.moe import ExpertGroups, GroupedExperts, _local, grouped_linear
-
-#: the three stacked projections of grouped experts
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
+from torchtitan_omni.modules.moe import (
+    EXPERT_WEIGHTS,
+    ExpertGroups,
+    GroupedExperts,
+    _local,
+    grouped_linear,
+)
 
 
 class LoraLinear(nn.Module):

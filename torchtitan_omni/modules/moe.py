@@ -109,6 +109,10 @@ class LocalDispatcher:
         return torch.zeros_like(counts)
 
 
+#: the stacked weights of ``GroupedExperts``
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -221,13 +225,57 @@ class GroupedExperts(nn.Module):
     def project(self, x: torch.Tensor, which: str, groups: ExpertGroups) -> torch.Tensor:
         """One of the three projections (``"w1"``, ``"w3"``: ``D -> H``; ``"w2"``: ``H -> D``)
         of every row by its expert. Mixins (LoRA) extend it."""
-        return grouped_linear(x, _local(getattr(self, which)), groups, self.use_grouped_mm)
+        return grouped_linear(x, self.compute_weight(which), groups, self.use_grouped_mm)
+
+    def compute_weight(self, which: str) -> torch.Tensor:
+        """The local weight ``which`` as the projections read it: the parameter's local
+        tensor, or its compute-dtype copy when one is kept (:meth:`keep_compute_copy`), whose
+        gradient goes to the parameter in the parameter's dtype."""
+        weight = _local(getattr(self, which))
+        copy = getattr(self, _copy_name(which), None)
+        return weight if copy is None else read_compute_copy(weight, copy)
+
+    def keep_compute_copy(self, which: str, copy: torch.Tensor) -> None:
+        """Read ``copy`` (the local weight ``which`` in ``compute_dtype``, same shape) instead
+        of casting the weight in every forward and recompute. Whoever changes the weight keeps
+        the copy equal to its cast (``torchtitan_omni.components.compute_copies``). A buffer
+        left out of the state dict: checkpoints hold the weights only."""
+        weight = _local(getattr(self, which))
+        if copy.shape != weight.shape or copy.dtype != self.compute_dtype:
+            raise ValueError(
+                f"GroupedExperts.{which}: a compute copy must be {tuple(weight.shape)} in "
+                f"{self.compute_dtype}, got {tuple(copy.shape)} in {copy.dtype}")
+        self.register_buffer(_copy_name(which), copy, persistent=False)
 
     def init_weights(self, std: float, out_std: float | None = None) -> None:
         """Truncated-normal experts (``out_std`` for the down projection ``w2``)."""
         init.trunc_normal_(self.w1, std=std)
         init.trunc_normal_(self.w3, std=std)
         init.trunc_normal_(self.w2, std=std if out_std is None else out_std)
+
+
+def _copy_name(which: str) -> str:
+    return f"{which}_compute_copy"
+
+
+class _ReadComputeCopy(torch.autograd.Function):
+    """Forward: the kept copy (the weight's cast, read instead of casting it again); backward:
+    the copy's gradient to the weight, in the weight's dtype, as the cast's backward gives."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.weight_dtype = weight.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        return grad.to(ctx.weight_dtype) if ctx.needs_input_grad[0] else None, None
+
+
+def read_compute_copy(weight: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+    """``copy`` (equal to ``weight.to(copy.dtype)``) in place of that cast: the same forward
+    and the same gradient for ``weight``, without reading the weight."""
+    return _ReadComputeCopy.apply(weight, copy)
 
 
 def run_experts(dispatcher: Dispatcher, experts: nn.Module, x_sorted: torch.Tensor,
