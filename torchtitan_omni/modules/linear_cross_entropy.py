@@ -10,7 +10,7 @@ recompute. The matrix products are the three an unfused head does (logits, input
 weight gradient). The weight gradient is one product per group of chunks (their logit
 gradients kept in one buffer, ``GROUP_BYTES``), added into a float32 sum: each such add of a
 152K x 2048 head took 0.85 ms on an H200 (profiled), so one add per 882-row chunk was 4% of a
-MoE step at 8K; on CUDA the group's GEMM accumulates into the sum itself (:func:`add_product_`).
+MoE step at 8K.
 
 ``loss_and_logit_grad`` is the elementwise part of one chunk (log-sum-exp, target pick,
 softmax gradient); ``torch.compile`` fuses it into a couple of kernels when the job compiles
@@ -59,20 +59,6 @@ def group_rows(vocab_size: int, rows: int, element_size: int,
     return max(1, group_bytes // (element_size * vocab_size * rows)) * rows
 
 
-def add_product_(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``total += a @ b`` in float32 (``total`` None: the product in float32). On CUDA with
-    16-bit ``a`` and ``b`` the GEMM accumulates into the float32 sum itself (``out_dtype``):
-    the product is never rounded to 16 bits, and no pass of its own adds it (on one H200, a
-    152K x 2048 head's 3.5K-row group: 3.3 ms against 4.2 ms for the product and the add).
-    Elsewhere, the product in its own dtype added in one pass (no float32 copy of it)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype:
-        if total is None:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        return torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
-    product = a @ b
-    return product.float() if total is None else total.add_(product)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, rows: int, group: int, kernel: ChunkKernel):
@@ -102,8 +88,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         logit_grads = g.new_empty((last - first, g.shape[1]))
                     logit_grads[start - first:end - first] = g
             if needs_w:
-                grad_w = add_product_(grad_w, (g if logit_grads is None else logit_grads).t(),
-                                      hidden[first:last])
+                product = (g if logit_grads is None else logit_grads).t() @ hidden[first:last]
+                # the first product becomes the float32 sum; later ones are added in one pass
+                # that reads the product in its own dtype (no float32 copy of it)
+                grad_w = product.float() if grad_w is None else grad_w.add_(product)
         if needs_w and grad_w is None:
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
