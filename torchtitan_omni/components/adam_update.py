@@ -80,10 +80,10 @@ def compiles(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     but for its dtype."""
     if param.numel() < min_numel or param.dtype not in COMPILED_DTYPES:
         return False
-    tensors = (param, grad, exp_avg, exp_avg_sq)
+    tensors = [param, grad, exp_avg, exp_avg_sq]
     if not all(t.dtype == param.dtype for t in tensors):
         return False
     if compute_copy is not None:
-        tensors += (compute_copy,)
+        tensors.append(compute_copy)
     return all(t.shape == param.shape and t.device == param.device and t.is_contiguous()
                for t in tensors)

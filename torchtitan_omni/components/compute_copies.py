@@ -30,7 +30,7 @@ class ComputeCopies:
     """Each expert weight (the parameter, a DTensor under expert parallel) and the copy of
     its local tensor in the experts' compute dtype."""
 
-    def __init__(self, copies: dict[nn.Parameter, torch.Tensor]) -> None:
+    def __init__(self, copies: dict[torch.Tensor, torch.Tensor]) -> None:
         self.copies = copies
 
     def __len__(self) -> int:
@@ -54,7 +54,7 @@ def keep_expert_compute_copies(model_parts: Iterable[nn.Module],
     those with a ``compute_dtype`` (outside FSDP), or, with FSDP off, under an autocast to
     ``autocast_dtype``; none where the weights already are in that dtype. The copies are
     uninitialized until :meth:`ComputeCopies.refresh`."""
-    copies: dict[nn.Parameter, torch.Tensor] = {}
+    copies: dict[torch.Tensor, torch.Tensor] = {}
     for model in model_parts:
         for module in model.modules():
             if not isinstance(module, GroupedExperts):

@@ -27,6 +27,7 @@ torch's fused kernel.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ class _LocalShardStep:
                                  "implementation without amsgrad")
         self._compiled_min_numel, self._compile_backend = min_numel, backend
 
-    def keep_compute_copies(self, copies: dict[torch.Tensor, torch.Tensor]) -> None:
+    def keep_compute_copies(self, copies: Mapping[torch.Tensor, torch.Tensor]) -> None:
         """After each update of a parameter of ``copies`` (parameter -> a copy of its local
         tensor in a lower precision), set the copy to the new value's cast
         (``components.compute_copies``): in the compiled kernel's pass where the update is
@@ -236,7 +237,7 @@ def compile_optimizer_updates(optimizers: OptimizersContainer, backend: str = "i
 
 
 def keep_compute_copies(optimizers: OptimizersContainer,
-                        copies: dict[torch.Tensor, torch.Tensor]) -> None:
+                        copies: Mapping[torch.Tensor, torch.Tensor]) -> None:
     """``parallelism.expert_compute_copies``: every optimizer rewrites the compute copies of
     the parameters it updates (:meth:`_LocalShardStep.keep_compute_copies`)."""
     for optimizer in optimizers:
