@@ -155,9 +155,9 @@ class OmniTrainer(Trainer):
             self._join_rank_set(dims)
         if self.encoder_server is None:
             self.flop_counter = FlopCounter(self.model_parts[0])
-        #: parallelism.expert_compute_copies: the copies, refreshed before the first step
-        self.compute_copies: ComputeCopies | None = None
-        self._compute_copies_stale = True
+        #: parallelism.expert_compute_copies: the copies until the first step refreshes them
+        #: (from then on each optimizer step rewrites them)
+        self._copies_to_refresh: ComputeCopies | None = None
         if job_config.parallelism.expert_compute_copies and self.encoder_server is None:
             self._keep_compute_copies()
         logger.info(output_locations(job_config))
@@ -180,7 +180,7 @@ class OmniTrainer(Trainer):
                 "precision casts them, they compute in their weights' dtype (float32 training, "
                 "CPU), or the model has none; leave it off")
         keep_compute_copies(self.optimizers, copies.copies)
-        self.compute_copies = copies
+        self._copies_to_refresh = copies
         logger.info(f"Experts read {copies.numel / 1e6:,.1f}M elements of compute copies "
                     "that the optimizer keeps (parallelism.expert_compute_copies)")
 
@@ -278,11 +278,10 @@ class OmniTrainer(Trainer):
             return
         self.metrics_processor.steps_since_last_log += 1
         self.optimizers.zero_grad()
-        if self.compute_copies is not None and self._compute_copies_stale:
-            # the weights as loaded (checkpoint, weights.sources) or initialized; from here
-            # on each optimizer step rewrites the copies
-            self.compute_copies.refresh()
-            self._compute_copies_stale = False
+        if self._copies_to_refresh is not None:
+            # the weights as loaded (checkpoint, weights.sources) or initialized
+            self._copies_to_refresh.refresh()
+            self._copies_to_refresh = None
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         dims: OmniParallelDims = self.parallel_dims
         model = self.model_parts[0]
