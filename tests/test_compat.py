@@ -51,6 +51,17 @@ def test_grouped_mm_computes_one_product_per_group():
     torch.testing.assert_close(out, torch.cat([x[:2] @ w[0], x[2:] @ w[1]]))
 
 
+def test_foreach_norm_reads_bf16_in_float32():
+    """The norm of bf16 tensors read in float32 is the float32 norm of their casts (what
+    clipping relies on for the experts' bf16 gradients), not a bf16-rounded one."""
+    tensors = [torch.randn(300, 7).bfloat16(), torch.randn(5).bfloat16()]
+    wide = compat.foreach_norm(tensors, torch.float32)
+    assert [n.dtype for n in wide] == [torch.float32] * 2
+    assert all(torch.equal(a, b) for a, b in
+               zip(wide, compat.foreach_norm([t.float() for t in tensors], None)))
+    assert compat.foreach_norm(tensors, None)[0].dtype == torch.bfloat16
+
+
 def test_flash_attention_ops_take_what_compat_passes():
     """The varlen flash path (CUDA only, so only the ops' schemas are checked on CPU): the
     positional arguments in order, the keywords it passes, and the outputs it unpacks."""

@@ -409,9 +409,14 @@ def test_compiled_update_on_cuda_matches_torch_fused_adamw():
     assert compiled == [3072 + 384] * 3
 
 
-def _expert_steps_on_cuda(with_copies: bool) -> tuple[list[torch.Tensor], list[bool]]:
+def _expert_steps_on_cuda(copies_kept: bool, gradients: bool = False
+                          ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
     from torchtitan_omni.components.compute_copies import keep_expert_compute_copies
-    from torchtitan_omni.components.optimizer import LocalShardAdamW, keep_compute_copies
+    from torchtitan_omni.components.optimizer import (
+        LocalShardAdamW,
+        clip_gradients_,
+        keep_compute_copies,
+    )
     from torchtitan_omni.modules.moe import EXPERT_WEIGHTS, GroupedExperts
 
     torch.manual_seed(0)
@@ -423,31 +428,36 @@ def _expert_steps_on_cuda(with_copies: bool) -> tuple[list[torch.Tensor], list[b
     opt = LocalShardAdamW(experts.parameters(), lr=1e-3, fused=True)
     opt.compile_updates(min_numel=8 * 256 * 128)
     copies = None
-    if with_copies:
-        copies = keep_expert_compute_copies([experts], None)
+    if copies_kept:
+        copies = keep_expert_compute_copies([experts], None, gradients=gradients)
         keep_compute_copies([opt], copies.copies)
         copies.refresh()
     counts = torch.tensor([0, 7, 1, 33, 0, 130, 5, 80], device="cuda")
-    fresh = []
+    norms, fresh = [], []
     for step in range(3):
         opt.zero_grad()
         g = torch.Generator(device="cuda").manual_seed(step)
         x = torch.randn(int(counts.sum()), 256, device="cuda", generator=g, dtype=torch.bfloat16)
         experts(x, counts).float().square().sum().backward()
+        norms.append(float(clip_gradients_([opt], list(experts.parameters()), 1e-3)))
         opt.step()
         if copies is not None:
             fresh.append(all(torch.equal(c, p.detach().to(torch.bfloat16))
                              for p, c in copies.copies.items()))
-    return [p.detach().clone() for p in experts.parameters()], fresh
+    return [p.detach().clone() for p in experts.parameters()], norms, fresh
 
 
-def test_expert_compute_copies_on_cuda_match_casting_each_pass():
+@pytest.mark.parametrize("gradients", [False, True], ids=["float32-gradients", "bf16-gradients"])
+def test_expert_compute_copies_on_cuda_match_casting_each_pass(gradients):
     """``parallelism.expert_compute_copies`` on CUDA: float32 experts computing in bf16 by
-    grouped GEMM, the update compiled with the bf16 copies written in its kernel; three steps
-    give the weights of three steps casting the weights in every pass, and every copy is its
-    weight's cast after every step."""
-    ref, _ = _expert_steps_on_cuda(False)
-    got, fresh = _expert_steps_on_cuda(True)
-    assert fresh == [True] * 3
+    grouped GEMM, the update compiled with the bf16 copies written in its kernel, the gradients
+    clipped; with ``gradients`` the copies hold the experts' bf16 gradients (read by the
+    update and the clipping norm in float32). Three steps give the norms and weights of three
+    steps casting the weights in every pass, bit for bit, and every copy is its weight's cast
+    after every step."""
+    ref, ref_norms, _ = _expert_steps_on_cuda(False)
+    got, norms, fresh = _expert_steps_on_cuda(True, gradients)
+    assert min(ref_norms) > 1e-3, "the steps were not clipped"
+    assert fresh == [True] * 3 and norms == ref_norms, (norms, ref_norms)
     for a, b in zip(ref, got):
         assert torch.equal(a, b), (a - b).abs().max().item()

@@ -10,7 +10,8 @@ Wrapped here:
 
 - torch: ``DeviceMesh._unflatten`` / ``_flatten`` (the mesh layout TorchTitan's own
   ``ParallelDims`` builds with), DTensor's ``_StridedShard`` placement, ``torch._grouped_mm``
-  (grouped GEMM of the MoE experts), ``aten._flash_attention_forward`` / ``_backward``
+  (grouped GEMM of the MoE experts), ``torch._foreach_norm`` with a ``dtype`` (clipping's
+  norm of bf16 gradients in float32), ``aten._flash_attention_forward`` / ``_backward``
   (FlashAttention-2's varlen kernels without ``varlen_attn``'s custom-op layers: packed
   attention on CUDA), ``torch.distributed._functional_collectives`` and its
   op ``torch.ops._c10d_functional.all_to_all_single`` (collectives ``torch.compile`` can
@@ -71,6 +72,13 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """``torch._grouped_mm``: one GEMM per group of rows of ``a`` (CUDA bf16). Looked up at
     call time, so a test can count calls at torch's entry point."""
     return torch._grouped_mm(a, b, offs=offs)
+
+
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """``torch._foreach_norm``: each tensor's L2 norm in one kernel per chunk list, read and
+    accumulated in ``dtype`` (None: the tensors'), as ``torch.nn.utils.get_total_norm`` uses
+    it without a dtype (which rounds a bf16 tensor's norm to bf16)."""
+    return list(torch._foreach_norm(tensors, 2.0, dtype=dtype))
 
 
 def flash_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,

@@ -171,7 +171,12 @@ class OmniTrainer(Trainer):
     def _keep_compute_copies(self) -> None:
         # the autocast TorchTitan runs without FSDP (none on CPU: see above)
         autocast = getattr(self.maybe_enable_amp, "fast_dtype", None)
-        copies = keep_expert_compute_copies(self.model_parts, autocast)
+        # the copies take the experts' gradients where each expert weight gets one a step (a
+        # second would be summed in the compute dtype): one micro-batch, experts run once per
+        # layer (the chunked dispatcher runs them per chunk)
+        one_gradient = (self.gradient_accumulation_steps == 1
+                        and self.job_config.parallelism.expert_dispatch_chunks == 1)
+        copies = keep_expert_compute_copies(self.model_parts, autocast, gradients=one_gradient)
         if not copies:
             raise ConfigError(
                 "parallelism.expert_compute_copies: no MoE experts here cast their own weights "
@@ -181,8 +186,11 @@ class OmniTrainer(Trainer):
                 "CPU), or the model has none; leave it off")
         keep_compute_copies(self.optimizers, copies.copies)
         self._copies_to_refresh = copies
+        where = ("the copies too, in the compute dtype" if one_gradient else
+                 "the weights, in their dtype (several micro-batches a step, or dispatch chunks)")
         logger.info(f"Experts read {copies.numel / 1e6:,.1f}M elements of compute copies "
-                    "that the optimizer keeps (parallelism.expert_compute_copies)")
+                    "that the optimizer keeps (parallelism.expert_compute_copies); their "
+                    f"gradients go to {where}")
 
     def init_distributed(self) -> OmniParallelDims:
         cfg = self.job_config

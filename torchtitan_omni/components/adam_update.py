@@ -36,12 +36,17 @@ def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                  maximize: bool) -> None:
     """One Adam (or, with ``decoupled_weight_decay``, AdamW) update of ``param`` in place,
     ``step`` already counted. ``coef``: a clipping coefficient the gradient is multiplied by
-    first and left multiplied by, as clipping before the step leaves it; None for none.
-    ``compute_copy``: a lower-precision copy of ``param`` set to the updated value's cast
-    (``components.compute_copies``), or None."""
+    as it is read, or None; ``grad`` itself is only read (writing the clipped gradient back
+    would move 4 more bytes a parameter, for a tensor the trainer clears before its next
+    backward). ``grad`` may be in ``compute_copy``'s lower precision (the experts' gradients
+    that ``components.compute_copies`` keeps): it is read in ``param``'s dtype, which holds
+    it exactly. ``compute_copy``: a lower-precision copy of ``param`` set to the updated
+    value's cast, or None."""
+    g = grad.to(param.dtype)
     if coef is not None:
-        grad.mul_(coef)
-    g = grad.neg() if maximize else grad
+        g = g * coef
+    if maximize:
+        g = g.neg()
     if weight_decay != 0:
         if decoupled_weight_decay:
             param.mul_(1 - lr * weight_decay)
@@ -77,12 +82,15 @@ def compiles(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     """Whether a tensor's update goes to the compiled kernel: at least ``min_numel``
     elements, float32 or float64, and the parameter, gradient and moments alike in dtype,
     shape and device, each contiguous (one graph serves them all), and so the compute copy
-    but for its dtype."""
+    but for its dtype, which the gradient may have too."""
     if param.numel() < min_numel or param.dtype not in COMPILED_DTYPES:
         return False
-    tensors = [param, grad, exp_avg, exp_avg_sq]
-    if not all(t.dtype == param.dtype for t in tensors):
+    if not all(t.dtype == param.dtype for t in (exp_avg, exp_avg_sq)):
         return False
+    grad_dtypes = {param.dtype} | ({compute_copy.dtype} if compute_copy is not None else set())
+    if grad.dtype not in grad_dtypes:
+        return False
+    tensors = [param, grad, exp_avg, exp_avg_sq]
     if compute_copy is not None:
         tensors.append(compute_copy)
     return all(t.shape == param.shape and t.device == param.device and t.is_contiguous()

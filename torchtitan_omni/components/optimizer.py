@@ -21,7 +21,9 @@ one GPU: a tenth of the optimizer's 30 ms).
 With ``compile.components`` holding ``"optimizer"`` (:func:`compile_optimizer_updates`), the
 fused implementation's large tensors are updated by one compiled kernel each
 (``components.adam_update``: 1.4x torch's fused kernel's bandwidth on one H200) and the rest by
-torch's fused kernel.
+torch's fused kernel. The compiled kernel multiplies the coefficient in as it reads each
+gradient and leaves the gradient as it was: a gradient the step has read is not to be read
+again (the trainer clears them before the next backward).
 """
 
 from __future__ import annotations
@@ -97,9 +99,34 @@ class _LocalShardStep:
         """After each update of a parameter of ``copies`` (parameter -> a copy of its local
         tensor in a lower precision), set the copy to the new value's cast
         (``components.compute_copies``): in the compiled kernel's pass where the update is
-        compiled, in one copy after the step otherwise."""
+        compiled, in one copy after the step otherwise. A copy that requires a gradient holds
+        its parameter's (local, in the copy's dtype): the step reads it there, and
+        :meth:`zero_grad` clears it."""
         mine = {p for group in self.param_groups for p in group["params"]}
         self._compute_copies = {p: c for p, c in copies.items() if p in mine}
+
+    def compute_gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Parameter -> its gradient's local tensor, for the parameters whose gradient their
+        compute copy holds (:meth:`keep_compute_copies`) and has now."""
+        return {p: c.grad for p, c in self._compute_copies.items() if c.grad is not None}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; the compute copies' gradients are set to None either way
+        (each holds one backward's gradient: ``components.compute_copies``)."""
+        super().zero_grad(set_to_none)  # type: ignore[misc]  # torch's Optimizer, next in the MRO
+        for copy in self._compute_copies.values():
+            copy.grad = None
+
+    def _local_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        # the gradient's local tensor: the parameter's, or the one its compute copy holds
+        copy = self._compute_copies.get(p)
+        held = None if copy is None else copy.grad
+        if held is None:
+            return None if p.grad is None else _local(p.grad)
+        if p.grad is not None:
+            raise RuntimeError(f"{type(self).__name__}: a parameter has a gradient both in its "
+                               "own dtype and in its compute copy's")
+        return held
 
     def scale_grads_in_next_step(self, coef: torch.Tensor) -> None:
         """Multiply the gradients by the device scalar ``coef`` (a clipping coefficient) in
@@ -119,9 +146,10 @@ class _LocalShardStep:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
             copies: list[torch.Tensor | None] = []
             for p in group["params"]:
-                if p.grad is None:
+                grad = self._local_grad(p)
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
+                if grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self.state[p]
                 if not state:
@@ -135,7 +163,7 @@ class _LocalShardStep:
                         state["max_exp_avg_sq"] = torch.zeros_like(
                             p, memory_format=torch.preserve_format)
                 params.append(_local(p))
-                grads.append(_local(p.grad))
+                grads.append(grad)
                 exp_avgs.append(_local(state["exp_avg"]))
                 exp_avg_sqs.append(_local(state["exp_avg_sq"]))
                 if group["amsgrad"]:
@@ -147,6 +175,8 @@ class _LocalShardStep:
                     group, coef, params, grads, exp_avgs, exp_avg_sqs, steps, copies)
             if not params:
                 continue
+            # torch's kernels want a parameter's dtype: a compute-dtype gradient is widened
+            grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
             grad_scale = None
             if coef is not None and group["fused"]:
                 # the fused kernel divides by grad_scale (float32) and stores the result
@@ -253,10 +283,12 @@ def clip_gradients_(optimizers: OptimizersContainer, parameters, max_norm: float
     """Clip the global L2 norm of ``parameters``' gradients to ``max_norm`` and return the norm
     before (``distributed.utils.grad_norm_and_clip_coef``; ``combine`` as there). When every
     optimizer of ``optimizers`` steps on local shards, the coefficient goes into their next
-    step (see the module docstring); otherwise the gradients are scaled now."""
+    step (see the module docstring), and the gradients their compute copies hold count for
+    their parameters; otherwise the gradients are scaled now."""
     if not all(isinstance(o, _LocalShardStep) for o in optimizers):
         return clip_grad_norm_(parameters, max_norm, combine)
-    total, coef = grad_norm_and_clip_coef(parameters, max_norm, combine)
+    held = {p: g for o in optimizers for p, g in o.compute_gradients().items()}
+    total, coef = grad_norm_and_clip_coef(parameters, max_norm, combine, held)
     for optimizer in optimizers:
         optimizer.scale_grads_in_next_step(coef)
     return total

@@ -6,7 +6,7 @@ gradient-norm clipping over parameters that live on different meshes
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan_omni.compat import all_reduce_traceable, flatten_mesh
+from torchtitan_omni.compat import all_reduce_traceable, flatten_mesh, foreach_norm
 from torchtitan_omni.platform import local_device
 
 
@@ -83,13 +83,19 @@ def reduce_moe_counts(counts: torch.Tensor, ep_mesh: DeviceMesh | None,
     return loads, totals
 
 
-def _local_grads(parameters: Iterable[torch.Tensor]
+def _local_grads(parameters: Iterable[torch.Tensor],
+                 held: Mapping[torch.Tensor, torch.Tensor] | None = None
                  ) -> dict[tuple[DeviceMesh, tuple] | None, list[torch.Tensor]]:
     """The gradients' local tensors by the (mesh, placements) of their DTensors (None: plain
-    tensors)."""
+    tensors); ``held`` as in :func:`grad_norm_and_clip_coef`, laid out as their
+    parameters."""
     groups: dict[tuple[DeviceMesh, tuple] | None, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
         g = p.grad
+        if g is None and held and p in held:
+            key = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
+            groups[key].append(held[p])
+            continue
         if g is None:
             continue
         if isinstance(g, DTensor):
@@ -101,7 +107,8 @@ def _local_grads(parameters: Iterable[torch.Tensor]
 
 @torch.no_grad()
 def grad_norm_and_clip_coef(parameters: Iterable[torch.Tensor], max_norm: float,
-                            combine: Callable[[torch.Tensor], torch.Tensor] | None = None
+                            combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                            held: Mapping[torch.Tensor, torch.Tensor] | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The global L2 norm of all gradients and the coefficient that clips it to ``max_norm``
     (``torch.nn.utils.clip_grads_with_norm_``'s: at most 1), both device scalars; the
@@ -113,9 +120,28 @@ def grad_norm_and_clip_coef(parameters: Iterable[torch.Tensor], max_norm: float,
     dispatch of the foreach norm checks every tensor on the host (15 ms for LLaMA#Omni 8B's
     226 tensors a rank), while the GPU waits. ``combine`` maps the sum of squares to the job's
     (non-colocated encoders: ``noncolocated.combine_grad_norms`` adds the other rank set's),
-    so every rank clips by the same norm.
+    so every rank clips by the same norm. ``held``: parameter -> its gradient's local tensor,
+    for parameters whose gradient is held elsewhere (``.grad`` None: the experts' gradients
+    in their compute copies, ``components.compute_copies``); a gradient in a lower precision
+    than float32 is normed in float32.
     """
-    return _norm_and_clip_coef(_local_grads(parameters), max_norm, combine)
+    return _norm_and_clip_coef(_local_grads(parameters, held), max_norm, combine)
+
+
+def _l2_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    # torch.nn.utils.get_total_norm's (a foreach norm per device and dtype, then the norm of
+    # the norms), with a precision below float32 normed in float32: torch's would round each
+    # tensor's norm to bf16, and the norm of a bf16 gradient read in float32 is the float32
+    # norm of its cast, bit for bit
+    by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_kind[(g.device, g.dtype)].append(g)
+    norms: list[torch.Tensor] = []
+    for (_, dtype), same in by_kind.items():
+        wider = torch.float32 if dtype.itemsize < 4 and dtype.is_floating_point else None
+        norms.extend(foreach_norm(same, wider))
+    first = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
 
 
 def _norm_and_clip_coef(groups: dict[tuple[DeviceMesh, tuple] | None, list[torch.Tensor]],
@@ -127,7 +153,7 @@ def _norm_and_clip_coef(groups: dict[tuple[DeviceMesh, tuple] | None, list[torch
         return torch.zeros(()), torch.ones(())
     squares = [torch.zeros((), dtype=torch.float32, device=local_device())]
     for key, grads in groups.items():
-        square = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).float() ** 2
+        square = _l2_norm(grads).float() ** 2
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):

@@ -230,10 +230,13 @@ class GroupedExperts(nn.Module):
     def compute_weight(self, which: str) -> torch.Tensor:
         """The local weight ``which`` as the projections read it: the parameter's local
         tensor, or its compute-dtype copy when one is kept (:meth:`keep_compute_copy`), whose
-        gradient goes to the parameter in the parameter's dtype."""
+        gradient goes to the parameter in the parameter's dtype, or stays with the copy (in
+        the compute dtype, for the optimizer to read) where the copy requires a gradient."""
         weight = _local(getattr(self, which))
         copy = getattr(self, _copy_name(which), None)
-        return weight if copy is None else read_compute_copy(weight, copy)
+        if copy is None:
+            return weight
+        return copy if copy.requires_grad else read_compute_copy(weight, copy)
 
     def keep_compute_copy(self, which: str, copy: torch.Tensor) -> None:
         """Read ``copy`` (the local weight ``which`` in ``compute_dtype``, same shape) instead
