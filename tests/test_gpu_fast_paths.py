@@ -348,8 +348,9 @@ def _clipped_steps_against_clipping_first(compile_min_numel: int | None = None,
     against clipping first and torch's fused AdamW, over two clipped steps and one unclipped,
     on a small MLP: the parameters' movement's relative difference and size, and the elements
     the compiled update took each step (``compile_min_numel``: its size bound, None for
-    off; ``schedule``: a new learning rate each step). The clipped gradients after the first
-    step are checked here, to float32 rounding."""
+    off; ``schedule``: a new learning rate each step). The gradients after the first step are
+    checked here: those of torch's fused kernel clipped, to float32 rounding, and those of the
+    compiled update as they were (it only reads them)."""
     from torchtitan_omni.components.optimizer import LocalShardAdamW, clip_gradients_
     from torchtitan_omni.distributed.utils import clip_grad_norm_
 
@@ -369,6 +370,8 @@ def _clipped_steps_against_clipping_first(compile_min_numel: int | None = None,
         for model, opt in ((ours_model, ours), (ref_model, ref)):
             opt.zero_grad()
             model(x[step]).square().sum().backward()
+            if opt is ours:
+                given = [p.grad.clone() for p in model.parameters()]
             if schedule:
                 opt.param_groups[0]["lr"] = 0.05 / (step + 1)
             if step < 2 and opt is ours:
@@ -378,8 +381,11 @@ def _clipped_steps_against_clipping_first(compile_min_numel: int | None = None,
             opt.step()
         compiled.append(ours.compiled_numel)
         if step == 0:
-            for a, b in zip(ours_model.parameters(), ref_model.parameters()):
-                assert _rel(a.grad, b.grad) < 1e-6
+            for a, b, g in zip(ours_model.parameters(), ref_model.parameters(), given):
+                if compile_min_numel is not None and a.numel() >= compile_min_numel:
+                    assert torch.equal(a.grad, g)
+                else:
+                    assert _rel(a.grad, b.grad) < 1e-6
     moved = [(a.detach() - s, b.detach() - s)
              for a, b, s in zip(ours_model.parameters(), ref_model.parameters(), start)]
     diff = sum(float((a - b).square().sum()) for a, b in moved) ** 0.5
