@@ -431,7 +431,10 @@ def _expert_steps_on_cuda(copies_kept: bool, gradients: bool = False
         for which in EXPERT_WEIGHTS:
             getattr(experts, which).normal_(0, 0.05)
     experts.compute_dtype = torch.bfloat16  # as outside FSDP: grouped GEMM in bf16
-    opt = LocalShardAdamW(experts.parameters(), lr=1e-3, fused=True)
+    # a float32 parameter with a float32 gradient among the experts' (in one clipping group)
+    gate = torch.nn.Parameter(torch.linspace(0.5, 1.5, 256, device="cuda"))
+    order = [experts.w1, gate, experts.w2, experts.w3]
+    opt = LocalShardAdamW(order, lr=1e-3, fused=True)
     opt.compile_updates(min_numel=8 * 256 * 128)
     copies = None
     if copies_kept:
@@ -444,23 +447,23 @@ def _expert_steps_on_cuda(copies_kept: bool, gradients: bool = False
         opt.zero_grad()
         g = torch.Generator(device="cuda").manual_seed(step)
         x = torch.randn(int(counts.sum()), 256, device="cuda", generator=g, dtype=torch.bfloat16)
-        experts(x, counts).float().square().sum().backward()
-        norms.append(float(clip_gradients_([opt], list(experts.parameters()), 1e-3)))
+        experts((x.float() * gate).bfloat16(), counts).float().square().sum().backward()
+        norms.append(float(clip_gradients_([opt], order, 1e-3)))
         opt.step()
         if copies is not None:
             fresh.append(all(torch.equal(c, p.detach().to(torch.bfloat16))
                              for p, c in copies.copies.items()))
-    return [p.detach().clone() for p in experts.parameters()], norms, fresh
+    return [p.detach().clone() for p in order], norms, fresh
 
 
 @pytest.mark.parametrize("gradients", [False, True], ids=["float32-gradients", "bf16-gradients"])
 def test_expert_compute_copies_on_cuda_match_casting_each_pass(gradients):
     """``parallelism.expert_compute_copies`` on CUDA: float32 experts computing in bf16 by
     grouped GEMM, the update compiled with the bf16 copies written in its kernel, the gradients
-    clipped; with ``gradients`` the copies hold the experts' bf16 gradients (read by the
-    update and the clipping norm in float32). Three steps give the norms and weights of three
-    steps casting the weights in every pass, bit for bit, and every copy is its weight's cast
-    after every step."""
+    clipped (with a float32 parameter's among them); with ``gradients`` the copies hold the
+    experts' bf16 gradients (read by the update and the clipping norm in float32). Three
+    steps give the norms and weights of three steps casting the weights in every pass, bit for
+    bit, and every copy is its weight's cast after every step."""
     ref, ref_norms, _ = _expert_steps_on_cuda(False)
     got, norms, fresh = _expert_steps_on_cuda(True, gradients)
     assert min(ref_norms) > 1e-3, "the steps were not clipped"

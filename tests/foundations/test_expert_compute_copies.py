@@ -257,6 +257,31 @@ def test_optimizer_reading_the_copies_gradients_matches_float32_gradients(update
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_clipping_norm_with_held_bf16_gradients_is_their_float32_casts_norm(seed):
+    """Held bf16 gradients among float32 ones in one group (one GPU: every gradient a plain
+    tensor): the norm is that of the float32 casts, bit for bit. The tensors' norms are summed
+    in the parameters' order (grouped by dtype, seeds 2, 4 and 6 differ in the last bit)."""
+    from torchtitan_omni.distributed.utils import grad_norm_and_clip_coef
+
+    g = torch.Generator().manual_seed(seed)
+    # bf16-exact values; the middle gradient large (its own float32), the others small
+    grads = [(torch.randn(7, generator=g) * (3.0 if i == 20 else 1e-3)).bfloat16().float()
+             for i in range(41)]
+    params = [torch.nn.Parameter(torch.zeros(7)) for _ in grads]
+    casts = [torch.nn.Parameter(torch.zeros(7)) for _ in grads]
+    held = {}
+    for i, (p, q, grad) in enumerate(zip(params, casts, grads)):
+        q.grad = grad.clone()
+        if i == 20:
+            p.grad = grad.clone()
+        else:
+            held[p] = grad.bfloat16()
+    got, got_coef = grad_norm_and_clip_coef(params, 1.0, None, held)
+    ref, ref_coef = grad_norm_and_clip_coef(casts, 1.0)
+    assert got.dtype == torch.float32 and torch.equal(got, ref) and torch.equal(got_coef, ref_coef)
+
+
 @pytest.mark.slow
 def test_trainer_refuses_copies_where_no_expert_casts_its_weights():
     """On CPU the experts compute in float32, their weights' dtype: the key is refused at

@@ -130,16 +130,18 @@ def grad_norm_and_clip_coef(parameters: Iterable[torch.Tensor], max_norm: float,
 
 def _l2_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     # torch.nn.utils.get_total_norm's (a foreach norm per device and dtype, then the norm of
-    # the norms), with a precision below float32 normed in float32: torch's would round each
-    # tensor's norm to bf16, and the norm of a bf16 gradient read in float32 is the float32
-    # norm of its cast, bit for bit
-    by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        by_kind[(g.device, g.dtype)].append(g)
-    norms: list[torch.Tensor] = []
-    for (_, dtype), same in by_kind.items():
+    # the tensors' norms), with a precision below float32 normed in float32 (torch's would
+    # round each tensor's norm to bf16; a bf16 gradient's norm read in float32 is its float32
+    # cast's, bit for bit), and the tensors' norms kept in the tensors' order: grouped by
+    # dtype, the norm of the norms would add them in another order than the casts' would
+    by_kind: dict[tuple, list[int]] = defaultdict(list)
+    for i, g in enumerate(grads):
+        by_kind[(g.device, g.dtype)].append(i)
+    norms: list[torch.Tensor] = [torch.empty(())] * len(grads)
+    for (_, dtype), indices in by_kind.items():
         wider = torch.float32 if dtype.itemsize < 4 and dtype.is_floating_point else None
-        norms.extend(foreach_norm(same, wider))
+        for i, norm in zip(indices, foreach_norm([grads[i] for i in indices], wider)):
+            norms[i] = norm
     first = norms[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
 
