@@ -130,7 +130,8 @@ class _LocalShardStep:
 
     def scale_grads_in_next_step(self, coef: torch.Tensor) -> None:
         """Multiply the gradients by the device scalar ``coef`` (a clipping coefficient) in
-        the next :meth:`step`, which leaves them so scaled, as clipping first would."""
+        the next :meth:`step`. torch's kernels leave them so scaled, as clipping first would;
+        the compiled update only reads them."""
         self._grad_coef = coef
 
     @torch.no_grad()
