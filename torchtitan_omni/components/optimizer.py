@@ -256,14 +256,20 @@ def build_omni_optimizers(model_parts, optimizer_config, parallel_dims, ft_manag
     return OptimizersContainer(model_parts, LOCAL_SHARD_OPTIMIZERS[optimizer_config.name], kwargs)
 
 
+def _local_shard_steps(optimizers: OptimizersContainer, option: str) -> list[_LocalShardStep]:
+    # the container's optimizers, each one of ours: ``option`` needs what only they do
+    for optimizer in optimizers:
+        if not isinstance(optimizer, _LocalShardStep):
+            raise ValueError(f"{option}: {type(optimizer).__name__} is not one of the omni "
+                             "trainer's Adam/AdamW")
+    return list(optimizers)
+
+
 def compile_optimizer_updates(optimizers: OptimizersContainer, backend: str = "inductor"
                               ) -> None:
     """``compile.components`` with ``"optimizer"``: every optimizer updates its large tensors
     with the compiled kernel (:meth:`_LocalShardStep.compile_updates`)."""
-    for optimizer in optimizers:
-        if not isinstance(optimizer, _LocalShardStep):
-            raise ValueError(f"compile.components 'optimizer': {type(optimizer).__name__} is "
-                             "not one of the omni trainer's Adam/AdamW")
+    for optimizer in _local_shard_steps(optimizers, "compile.components 'optimizer'"):
         optimizer.compile_updates(backend=backend)
 
 
@@ -271,10 +277,7 @@ def keep_compute_copies(optimizers: OptimizersContainer,
                         copies: Mapping[torch.Tensor, torch.Tensor]) -> None:
     """``parallelism.expert_compute_copies``: every optimizer rewrites the compute copies of
     the parameters it updates (:meth:`_LocalShardStep.keep_compute_copies`)."""
-    for optimizer in optimizers:
-        if not isinstance(optimizer, _LocalShardStep):
-            raise ValueError(f"parallelism.expert_compute_copies: {type(optimizer).__name__} "
-                             "is not one of the omni trainer's Adam/AdamW")
+    for optimizer in _local_shard_steps(optimizers, "parallelism.expert_compute_copies"):
         optimizer.keep_compute_copies(copies)
 
 

@@ -131,9 +131,11 @@ class Parallelism:
     float32 weights in every forward and recompute. For MoE experts that cast their own
     weights: under expert parallel over every data rank with every LLM block checkpointed
     (the experts then skip FSDP), or without FSDP (one GPU). Costs 2 bytes of memory per
-    local expert parameter; the same numbers, bit for bit. Refused where no expert casts its
-    own weights (FSDP's mixed precision casts them at its all-gather). See
-    docs/parallelism.md."""
+    local expert parameter; the same numbers, bit for bit. With one micro-batch a step and
+    expert_dispatch_chunks 1 the copies also hold the experts' gradients in bfloat16 (no cast
+    to float32, half their memory), which the optimizer and clipping read in float32. Refused
+    where no expert casts its own weights (FSDP's mixed precision casts them at its
+    all-gather). See docs/parallelism.md."""
 
     expert_ac_keep_exchanges: bool = False
     """Expert parallel with activation checkpointing of the LLM blocks: checkpoint each MoE
