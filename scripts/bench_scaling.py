@@ -119,15 +119,19 @@ class Point:
                 BUILT[self.workload], "--rows", "16" if self.seq_len <= 32768 else "8", "--quiet",
                 *self.build_args]
 
+    def compile_args(self) -> list[str]:
+        """The trainer's ``torch.compile`` flags of the point (none if it runs eagerly)."""
+        if not self.compile:
+            return []
+        return ["--compile.enable", "--compile.components", self.compile_components]
+
     def command(self) -> list[str]:
         # The LR warm-up is cut to the run's length (TorchTitan would do the same; torchtitan-omni
         # refuses a warm-up longer than the schedule): the same learning rates either way.
         common = ["--training.seq_len", str(self.seq_len), "--training.steps", str(self.steps),
                   "--lr_scheduler.warmup_steps", str(self.steps),
                   "--metrics.log_freq", "1", "--training.local_batch_size", "1"]
-        extra = [*self.args]
-        if self.compile:
-            extra += ["--compile.enable", "--compile.components", self.compile_components]
+        extra = [*self.args, *self.compile_args()]
         if self.stock:
             return ["torchrun", f"--nproc_per_node={self.ngpu}", "--rdzv_backend", "c10d",
                     "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank",
@@ -279,6 +283,18 @@ def with_compute_copies(point: Point) -> Point:
     """A MoE point whose experts read the compute copies the optimizer keeps
     (``parallelism.expert_compute_copies``: components/compute_copies.py)."""
     return dataclasses.replace(point, name=f"{point.name}_cc", args=point.args + COMPUTE_COPIES)
+
+
+#: AdamW's moments of the compiled update's tensors in bf16, rounded stochastically
+BF16_MOMENTS = ("--optimizer.moments_dtype", "bfloat16")
+
+
+def with_bf16_moments(point: Point) -> Point:
+    """A point with the optimizer's update compiled whose moments are kept in bf16
+    (``optimizer.moments_dtype``: components/adam_update.py)."""
+    if not point.compile_components.endswith("optimizer"):
+        raise ValueError(f"point {point.name}: the optimizer's update is not compiled")
+    return dataclasses.replace(point, name=f"{point.name}_m16", args=point.args + BF16_MOMENTS)
 
 
 def omni_1gpu(layers: int = 16) -> list[Point]:
@@ -666,8 +682,9 @@ def fixed_part_points(ep: int) -> list[Point]:
     plan: what part of the step does not grow with tokens (issue 12); also both at once; and
     with no FSDP unit resharded after its forward (no all-gather in the backward); and with the
     group's tokens gathered (``expert_dispatch = "gather"``: no host read, fixed shapes), eager
-    and compiled (each MoE layer one graph), compiled with the optimizer's update (``_opt``)
-    and with the experts' compute copies too (``_opt_cc``)."""
+    and compiled (each MoE layer one graph), compiled with the optimizer's update (``_opt``),
+    with the experts' compute copies too (``_opt_cc``) and with the moments in bf16 too
+    (``_opt_cc_m16``)."""
     points = [Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep{ep}_text_exact_{tag}", MOE, ep, seq,
                     _layers(12) + flags + _ep(ep), workload="text", estimate_s=80)
               for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM),
@@ -676,7 +693,8 @@ def fixed_part_points(ep: int) -> list[Point]:
               for seq in (8192, 16384)]
     gather = [compiled(p, 70) for p in points if p.name.endswith("_gather")]
     optimizer = [with_compiled_optimizer(p) for p in gather]
-    return points + gather + optimizer + [with_compute_copies(p) for p in optimizer]
+    copies = [with_compute_copies(p) for p in optimizer]
+    return points + gather + optimizer + copies + [with_bf16_moments(p) for p in copies]
 
 
 def moe_2gpu() -> list[Point]:
@@ -728,7 +746,8 @@ def moe_1gpu() -> list[Point]:
     the step that does not grow with tokens without any exchange, skew or FSDP collective
     (issue 12: the EP4 pair's is 0.079 s compiled, 22.9% of its 8K step); last the realistic
     media rows at 8K, compiled; then the compiled points with the optimizer's update compiled
-    too, and those with the experts reading the bf16 copies the optimizer keeps."""
+    too, those with the experts reading the bf16 copies the optimizer keeps, and those with
+    the moments in bf16 too (``_m16``)."""
     cut = _layers(12) + FULL + _ep(1) + OMNI_FLAVORS + ("--model.flavor", "30B-A3B_ep4_rank")
     points = [Point(f"moe_30B-A3B-ep4rank_12L_{seq // 1024}k_1gpu_text_exact", MOE, 1, seq, cut,
                     workload="text", estimate_s=60) for seq in (8192, 16384)]
@@ -736,7 +755,8 @@ def moe_1gpu() -> list[Point]:
                       workload="realistic", estimate_s=70)
     media = [compiled(p, 60) for p in points] + [compiled(realistic, 70)]
     optimizer = [with_compiled_optimizer(p) for p in media]
-    return points + media + optimizer + [with_compute_copies(p) for p in optimizer]
+    copies = [with_compute_copies(p) for p in optimizer]
+    return points + media + optimizer + copies + [with_bf16_moments(p) for p in copies]
 
 
 def moe_dispatch(ngpu: int) -> list[Point]:
@@ -976,7 +996,8 @@ def titan_flops_per_token(point: Point) -> float:
         # the config is validated against the point's world size (the caller's is restored)
         with mock.patch.dict(os.environ, {"WORLD_SIZE": str(point.ngpu)}):
             cfg = parse_job_config(["--job.config_file", point.config_file(), *point.args,
-                                    "--training.seq_len", str(point.seq_len)])
+                                    *point.compile_args(), "--training.seq_len",
+                                    str(point.seq_len)])
         spec = get_train_spec(cfg.model.name)
         # a copy: the registered flavor stays as registered for the next point
         args = copy.deepcopy(spec.model_args[cfg.model.flavor])

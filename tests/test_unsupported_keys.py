@@ -182,6 +182,8 @@ VALUE_CASES = [
     (("--compile.components", "model,graph"), "compile.components has 'graph'"),
     (("--compile.components", "model,optimizer", "--optimizer.implementation", "foreach"),
      "compile.components has 'optimizer', which compiles the fused implementation's update"),
+    (("--optimizer.moments_dtype", "bfloat16", "--compile.enable"),
+     "optimizer.moments_dtype 'bfloat16' needs the optimizer's compiled update"),
     (("--model.converters", "mx"), "model.converters has 'mx'"),
     (("--model.converters", "float8"), "float8 needs a CUDA GPU, but this job runs on CPU"),
     (("--model.converters", "quantize.linear.float8"),
@@ -215,6 +217,8 @@ def test_values_that_work_pass():
     _parse("--compile.enable", "--compile.components", "model")
     _parse("--compile.enable", "--compile.components", "model,loss,optimizer",
            "--optimizer.implementation", "fused")
+    _parse("--compile.enable", "--compile.components", "model,optimizer",
+           "--optimizer.implementation", "fused", "--optimizer.moments_dtype", "bfloat16")
     _parse("--checkpoint.enable", "--checkpoint.load_step", "10")
 
 

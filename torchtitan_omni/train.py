@@ -62,6 +62,7 @@ from torchtitan_omni.components.optimizer import (
     clip_gradients_,
     compile_optimizer_updates,
     keep_compute_copies,
+    keep_moments_in,
 )
 from torchtitan_omni.components.quantization import float8_encoders, prepare_float8
 from torchtitan_omni.distributed.boundary import balance_metrics
@@ -137,6 +138,8 @@ class OmniTrainer(Trainer):
                                         and "optimizer" in job_config.compile.components)
         if self._log_compiled_optimizer:
             compile_optimizer_updates(self.optimizers, job_config.compile.backend)
+        if job_config.optimizer.moments_dtype != "float32":  # validated: the update compiled
+            keep_moments_in(self.optimizers, getattr(torch, job_config.optimizer.moments_dtype))
         # Crash-safe, reshardable checkpoints and weights.sources (torchtitan_omni.checkpoint).
         setup_checkpointing(self)
         if is_cpu():
@@ -387,8 +390,10 @@ class OmniTrainer(Trainer):
         if self._log_compiled_optimizer:
             self._log_compiled_optimizer = False
             numel = sum(o.compiled_numel for o in self.optimizers)
+            moments = self.job_config.optimizer.moments_dtype
             logger.info(f"Optimizer: {numel / 1e6:,.1f}M of this rank's parameter elements "
-                        "updated by the compiled kernel, the rest by torch's fused one")
+                        f"updated by the compiled kernel (moments in {moments}), the rest by "
+                        "torch's fused one (moments in their parameters' dtype)")
 
         # the previous log step's line: its values were copied behind that step's kernels,
         # which the GPU has run by now (or is about to)

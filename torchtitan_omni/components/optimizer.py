@@ -39,6 +39,7 @@ from torchtitan.components.optimizer import OptimizersContainer, build_optimizer
 
 from torchtitan_omni.components.adam_update import (
     COMPILED_MIN_NUMEL,
+    LOW_PRECISION_MOMENTS,
     compiled_adam_update,
     compiles,
 )
@@ -83,6 +84,8 @@ class _LocalShardStep:
         self.compiled_numel = 0
         #: parameter -> the compute-dtype copy of its local tensor each step rewrites
         self._compute_copies: dict[torch.Tensor, torch.Tensor] = {}
+        #: the dtype of the compiled kernel's tensors' moments when not their parameter's
+        self._moments_dtype: torch.dtype | None = None
 
     def compile_updates(self, min_numel: int = COMPILED_MIN_NUMEL, backend: str = "inductor"
                         ) -> None:
@@ -94,6 +97,44 @@ class _LocalShardStep:
                 raise ValueError(f"{type(self).__name__}: compiled updates need the fused "
                                  "implementation without amsgrad")
         self._compiled_min_numel, self._compile_backend = min_numel, backend
+
+    def keep_moments_in(self, dtype: torch.dtype) -> None:
+        """Keep the moments of the float32 parameters the compiled update takes (those of at
+        least its ``min_numel`` elements, counted over the whole parameter so that every rank
+        keeps a parameter's moments alike) in ``dtype`` (bfloat16), rounded stochastically
+        (``components.adam_update``); needs :meth:`compile_updates`. Moments created or
+        loaded in another dtype are cast to it."""
+        if self._compiled_min_numel is None:
+            raise ValueError(f"{type(self).__name__}: moments in {dtype} need the compiled "
+                             "update (compile_updates)")
+        if dtype not in LOW_PRECISION_MOMENTS:
+            raise ValueError(f"{type(self).__name__}: moments in {dtype}: only "
+                             f"{LOW_PRECISION_MOMENTS} besides the parameters' dtype")
+        self._moments_dtype = dtype
+        self._cast_moments()
+
+    def _moments_dtype_of(self, p: torch.Tensor) -> torch.dtype:
+        # a global decision (p.numel() of a DTensor counts every shard): a parameter's
+        # moments are one dtype on every rank, as a checkpoint holds them
+        if (self._moments_dtype is not None and p.dtype == torch.float32
+                and self._compiled_min_numel is not None
+                and p.numel() >= self._compiled_min_numel):
+            return self._moments_dtype
+        return p.dtype
+
+    def _cast_moments(self) -> None:
+        # torch's load_state_dict casts moments to their parameter's dtype
+        for p, state in self.state.items():
+            dtype = self._moments_dtype_of(p)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state and state[key].dtype != dtype:
+                    state[key] = state[key].to(dtype)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, the moments then cast to the dtype
+        :meth:`keep_moments_in` keeps them in."""
+        super().load_state_dict(state_dict)  # type: ignore[misc]  # torch's Optimizer
+        self._cast_moments()
 
     def keep_compute_copies(self, copies: Mapping[torch.Tensor, torch.Tensor]) -> None:
         """After each update of a parameter of ``copies`` (parameter -> a copy of its local
@@ -158,8 +199,11 @@ class _LocalShardStep:
                         torch.zeros((), dtype=_step_dtype(True), device=p.device)
                         if group["fused"] else torch.tensor(0.0, dtype=_step_dtype(False))
                     )
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    dtype = self._moments_dtype_of(p)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype,
+                                                        memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype,
+                                                           memory_format=torch.preserve_format)
                     if group["amsgrad"]:
                         state["max_exp_avg_sq"] = torch.zeros_like(
                             p, memory_format=torch.preserve_format)
@@ -205,6 +249,12 @@ class _LocalShardStep:
         lists = (params, grads, exp_avgs, exp_avg_sqs, steps, copies)
         chosen = [compiles(p, g, m, v, self._compiled_min_numel, c)
                   for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, copies)]
+        for p, g, m, took in zip(params, grads, exp_avgs, chosen):
+            if m.dtype != p.dtype and not took:  # torch's kernels keep a parameter's dtype
+                raise RuntimeError(
+                    f"{type(self).__name__}: a parameter's moments are in {m.dtype} but its "
+                    f"update does not fit the compiled kernel (shape {tuple(p.shape)}, "
+                    f"gradient {g.dtype}, contiguous {p.is_contiguous()}/{g.is_contiguous()})")
         if not any(chosen):
             return lists
         big = [[t for t, c in zip(lst, chosen) if c] for lst in lists]
@@ -271,6 +321,13 @@ def compile_optimizer_updates(optimizers: OptimizersContainer, backend: str = "i
     with the compiled kernel (:meth:`_LocalShardStep.compile_updates`)."""
     for optimizer in _local_shard_steps(optimizers, "compile.components 'optimizer'"):
         optimizer.compile_updates(backend=backend)
+
+
+def keep_moments_in(optimizers: OptimizersContainer, dtype: torch.dtype) -> None:
+    """``optimizer.moments_dtype``: every optimizer keeps the moments of the tensors its
+    compiled update takes in ``dtype`` (:meth:`_LocalShardStep.keep_moments_in`)."""
+    for optimizer in _local_shard_steps(optimizers, "optimizer.moments_dtype"):
+        optimizer.keep_moments_in(dtype)
 
 
 def keep_compute_copies(optimizers: OptimizersContainer,

@@ -148,6 +148,22 @@ class Parallelism:
 
 
 @dataclass
+class Optimizer:
+    """TorchTitan's ``[optimizer]`` plus the dtype of Adam's moments."""
+
+    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype of AdamW's first and second moments for the float32 parameters of at least
+    4M elements (their update's compiled kernel keeps them; smaller ones stay in float32).
+    "bfloat16": 8 bytes a parameter fewer for the update to move (the step's part that does
+    not grow with tokens) and 4 fewer to hold; the moments are computed in float32 and stored
+    rounded stochastically, so each stored value's expectation is the exact one (rounding to
+    nearest would freeze a second moment that changes by less than half of bfloat16's spacing
+    a step, as with beta2 0.999). Needs compile.components with "optimizer". A checkpoint's
+    moments load in either dtype. Not bit for bit the float32 run. See
+    docs/parallelism.md."""
+
+
+@dataclass
 class Model:
     """TorchTitan's ``[model]`` plus where a model's encoders and decoders come from."""
 
@@ -408,6 +424,7 @@ class JobConfig:
     """The sections torchtitan-omni adds or extends."""
 
     model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
     parallelism: Parallelism = field(default_factory=Parallelism)
     training: Training = field(default_factory=Training)
     omni: Omni = field(default_factory=Omni)
