@@ -470,3 +470,33 @@ def test_expert_compute_copies_on_cuda_match_casting_each_pass(gradients):
     assert fresh == [True] * 3 and norms == ref_norms, (norms, ref_norms)
     for a, b in zip(ref, got):
         assert torch.equal(a, b), (a - b).abs().max().item()
+
+
+def test_bf16_moments_round_stochastically_on_cuda():
+    """``optimizer.moments_dtype = "bfloat16"`` on CUDA (the random bits from Triton's
+    generator): a value a quarter of the way between two bfloat16 neighbours rounds to one of
+    them with the exact mean (within 5 standard deviations over 2^20 draws), and in the
+    compiled update a second moment decaying by beta2 = 0.999 a step, which rounding to
+    nearest freezes at 1, follows 0.999^step within 1% over 600 steps."""
+    import math
+
+    from torchtitan_omni.components.adam_update import compiled_adam_update, round_stochastically
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    n, ulp = 1 << 20, 2.0 ** -7
+    x = torch.full((n,), 1.0 + 0.25 * ulp, device="cuda")
+    got = torch.compile(round_stochastically, fullgraph=True, dynamic=True)(x, torch.bfloat16)
+    assert set(got.float().unique().tolist()) <= {1.0, 1.0 + ulp}
+    assert abs(got.double().mean().item() - x[0].item()) < 5 * ulp * math.sqrt(0.1875 / n)
+    update = compiled_adam_update()
+    param, grad = torch.zeros(16_384, device="cuda"), torch.zeros(16_384, device="cuda")
+    m = torch.ones(16_384, device="cuda", dtype=torch.bfloat16)
+    v = torch.ones_like(m)
+    step = torch.zeros((), device="cuda")
+    for _ in range(600):
+        step += 1
+        update(param, grad, m, v, step, None, lr=0.0, beta1=0.99, beta2=0.999, eps=1e-8,
+               weight_decay=0.0, decoupled_weight_decay=True, maximize=False)
+    assert v.double().mean().item() == pytest.approx(0.999 ** 600, rel=0.01)
+    assert m.double().mean().item() == pytest.approx(0.99 ** 600, rel=0.01)
