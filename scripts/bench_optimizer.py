@@ -17,8 +17,9 @@ Prints one markdown row per world size: parameters per rank, the fused AdamW ste
 clipping norm, the clipping scale, clipping as TorchTitan runs it (both), AdamW and clipping
 together, AdamW with the clipping scale inside its kernel (``grad_scale``, the hook torch's
 fused AdamW has for it), the trainer's optimizer (``LocalShardAdamW``, the scale inside its
-step) as it is and with ``compile.components`` holding "optimizer" (the large tensors' update
-compiled; the share of elements it covers), each also as GPU time with the host ahead of the
+step) as it is, with ``compile.components`` holding "optimizer" (the large tensors' update
+compiled; the share of elements it covers) and with that update's moments in bf16
+(``optimizer.moments_dtype``), each also as GPU time with the host ahead of the
 GPU (in brackets: how a training step runs it, its launches queued behind the backward), and
 the memory bandwidth each reached (bytes
 an ideal kernel moves: AdamW reads parameter, gradient and both moments and writes three back,
@@ -144,6 +145,21 @@ def measure(numels: list[int], device: torch.device, iters: int, max_norm: float
     ours.compile_updates()
     compiled_ms = _timed(trainer_step, device, iters)
     compiled_gpu_ms = _gpu_timed(trainer_step, device, iters)
+    compiled_share = ours.compiled_numel
+    del ours
+    # the same with the compiled update's moments in bf16 (``optimizer.moments_dtype``)
+    low = LocalShardAdamW(params, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                          fused=True)
+    low.compile_updates()
+    low.keep_moments_in(torch.bfloat16)
+
+    def low_step() -> None:
+        low.scale_grads_in_next_step(coef)
+        low.step()
+
+    bf16_moments_ms = _timed(low_step, device, iters)
+    bf16_moments_gpu_ms = _gpu_timed(low_step, device, iters)
+    del low
     total = sum(numels)
 
     def gbps(nbytes: int, ms: float) -> float:
@@ -152,7 +168,8 @@ def measure(numels: list[int], device: torch.device, iters: int, max_norm: float
     return {"params": total, "adamw_ms": adamw_ms, "scaled_ms": scaled_ms,
             "trainer_ms": trainer_ms, "compiled_ms": compiled_ms,
             "trainer_gpu_ms": trainer_gpu_ms, "compiled_gpu_ms": compiled_gpu_ms,
-            "compiled_share": ours.compiled_numel / total,
+            "compiled_share": compiled_share / total, "bf16_moments_ms": bf16_moments_ms,
+            "bf16_moments_gpu_ms": bf16_moments_gpu_ms,
             "norm_ms": norm_ms,
             "scale_ms": scale_ms, "clip_ms": clip_ms, "adamw_gbps": gbps(ADAMW_BYTES, adamw_ms),
             "norm_gbps": gbps(NORM_BYTES, norm_ms), "scale_gbps": gbps(SCALE_BYTES, scale_ms)}
@@ -181,9 +198,9 @@ def main(argv: list[str] | None = None) -> None:
           f"clipping at max_norm 1.0 (foreach); median of {args.iters} runs, ms and GB/s\n")
     print("| ranks | parameters per rank | AdamW step | clip norm | clip scale | clip (both) | "
           "AdamW + clip | AdamW, scale inside | trainer's AdamW, scale inside (GPU, host "
-          "ahead) | the same, update compiled (GPU, host ahead; share) | AdamW GB/s | "
-          "norm GB/s | scale GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "ahead) | the same, update compiled (GPU, host ahead; share) | the same, its "
+          "moments in bf16 (GPU) | AdamW GB/s | norm GB/s | scale GB/s |")
+    print("| --- " * 14 + "|")
     for world in worlds:
         r = measure(shard_numels(args.spec, args.flavor, args.llm_layers, world), device,
                     args.iters)
@@ -191,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['scale_ms']:.1f} | {r['clip_ms']:.1f} | {r['adamw_ms'] + r['clip_ms']:.1f} | "
               f"{r['scaled_ms']:.1f} | {r['trainer_ms']:.1f} ({r['trainer_gpu_ms']:.1f}) | "
               f"{r['compiled_ms']:.1f} ({r['compiled_gpu_ms']:.1f}; {r['compiled_share']:.0%}) | "
+              f"{r['bf16_moments_ms']:.1f} ({r['bf16_moments_gpu_ms']:.1f}) | "
               f"{r['adamw_gbps']:,.0f} | {r['norm_gbps']:,.0f} | {r['scale_gbps']:,.0f} |",
               flush=True)
         if device.type == "cuda":

@@ -2,7 +2,7 @@
 takes, kept in bfloat16 and rounded stochastically (``components.adam_update``,
 ``components.optimizer``). Stochastic rounding against its definition (each result a
 neighbour, the mean the exact value); the moments against an exact float64 reference where
-rounding to nearest would freeze them; whole runs against the same optimizer with float32
+rounding to nearest would freeze them; the hash's bits against uniform; whole runs against the same optimizer with float32
 moments (within bfloat16's precision: the two are not meant to agree bit for bit); the dtype
 decided over the whole parameter on two FSDP ranks, and a DCP save and resume there bit for
 bit; checkpoints moving between the two dtypes. Inductor's CPU backend compiles the update."""
@@ -19,6 +19,7 @@ from torchtitan_omni.components.adam_update import (
     adam_update_,
     compiled_adam_update,
     round_stochastically,
+    rounding_noise,
 )
 from torchtitan_omni.components.optimizer import LocalShardAdamW
 
@@ -27,34 +28,64 @@ BF16 = torch.bfloat16
 FRACTIONS = (0.25, 0.5, 0.9)
 
 
+def _noise(compiled: bool):
+    return (torch.compile(rounding_noise, fullgraph=True, dynamic=True) if compiled
+            else rounding_noise)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_rounding_noise_is_uniform_and_changes_with_the_seed(compiled):
+    """Each half of the hash is uniform over [0, 2^16) (16 bins of 2^20 draws within 5
+    standard deviations of their expected count), the halves are uncorrelated, and the next
+    seed's bits differ from this seed's (equal in about 1 of 65,536)."""
+    torch._dynamo.reset()
+    n = 1 << 20
+    like = torch.empty(n // 4, 4)
+    low, high = _noise(compiled)(like, torch.tensor(7))
+    again = _noise(compiled)(like, torch.tensor(7))[0]
+    nxt = _noise(compiled)(like, torch.tensor(8))[0]
+    assert torch.equal(low, again) and low.shape == like.shape
+    for half in (low, high):
+        assert int(half.min()) >= 0 and int(half.max()) < 1 << 16
+        counts = torch.bincount(half.flatten() >> 12, minlength=16).double()
+        assert (counts - n / 16).abs().max() < 5 * math.sqrt(n / 16), counts
+    a, b = low.double().flatten(), high.double().flatten()
+    assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 5 / math.sqrt(n)
+    assert float((low == nxt).double().mean()) < 1e-3
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_stochastic_rounding_lands_on_a_neighbour_with_the_exact_mean(compiled):
-    """Every result is one of the two bfloat16 neighbours; over 200,000 draws the mean is the
-    float32 value within 5 standard deviations of the draws' mean (a fixed rounding direction
-    misses it by hundreds); exact bfloat16 values, zero and infinities come back unchanged."""
+    """With the hash's bits, every result is one of the two bfloat16 neighbours; over 200,000
+    elements the mean is the float32 value within 5 standard deviations of the draws' mean (a
+    fixed rounding direction misses it by hundreds); exact bfloat16 values, zero and
+    infinities come back unchanged."""
     torch._dynamo.reset()
-    rnd = (torch.compile(round_stochastically, fullgraph=True, dynamic=True) if compiled
-           else round_stochastically)
-    torch.manual_seed(0)
+
+    def rnd(x, seed):
+        return round_stochastically(x, BF16, rounding_noise(x, torch.tensor(seed))[seed % 2])
+
+    rnd = torch.compile(rnd, fullgraph=True, dynamic=True) if compiled else rnd
     n = 200_000
     ulp = 2.0 ** -7
-    for sign in (1.0, -1.0):
+    for seed, sign in enumerate((1.0, -1.0)):
         for frac in FRACTIONS:
             x = torch.full((n,), sign * (1.0 + frac * ulp))
-            got = rnd(x, BF16)
+            got = rnd(x, seed)
             assert got.dtype == BF16
             values = set(got.float().unique().tolist())
             assert values <= {sign * 1.0, sign * (1.0 + ulp)}, values
             sd = ulp * math.sqrt(frac * (1 - frac) / n)
             assert abs(got.double().mean().item() - x[0].item()) < 5 * sd, (sign, frac)
     exact = torch.tensor([1.0, -3.0, 0.0, 2.0 ** -100, float("inf"), -float("inf")])
-    assert torch.equal(rnd(exact, BF16).float(), exact)
-    assert rnd(torch.tensor([float("nan")]), BF16).isnan().all()
+    assert torch.equal(rnd(exact, 0).float(), exact)
+    assert rnd(torch.tensor([float("nan")]), 0).isnan().all()
 
 
 def test_stochastic_rounding_refuses_other_dtypes():
+    x = torch.ones(2, dtype=torch.float64)
     with pytest.raises(ValueError, match="float32 to bfloat16 only"):
-        round_stochastically(torch.ones(2, dtype=torch.float64), BF16)
+        round_stochastically(x, BF16, torch.zeros(2, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -15,7 +15,8 @@ kernel does, so the host never reads the device.
 
 The moments may be kept in bfloat16 (``optimizer.moments_dtype``): the kernel reads them in
 the parameter's dtype, updates the parameter with the unrounded moments, and stores them
-rounded stochastically (:func:`round_stochastically`). 8 bytes a parameter fewer to move (20
+rounded stochastically (:func:`round_stochastically`, with bits from a hash of each
+element's index and the step: :func:`rounding_noise`). 8 bytes a parameter fewer to move (20
 instead of 28 with a bf16 gradient and compute copy) and 4 fewer to hold. Rounding to nearest
 would not do: with ``beta2 = 0.999`` a step changes the second moment by 0.1%, under half of
 bfloat16's spacing (0.4%), so a decaying moment would never move; stochastic rounding keeps
@@ -40,17 +41,41 @@ COMPILED_DTYPES = (torch.float32, torch.float64)
 LOW_PRECISION_MOMENTS = (torch.bfloat16,)
 
 
-def round_stochastically(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (float32) in ``dtype`` (bfloat16), rounded up or down at random with the
-    probabilities that make the result's expectation ``x``: a uniform 16-bit integer is added
-    to the bits bfloat16 drops, and they are truncated (the carry rounds the magnitude up, so
-    it is the same for negative values). Values bfloat16 holds exactly come back unchanged;
-    infinities and NaNs stay so."""
+#: murmur3's 32-bit finalizer constants, and the odd constant that spreads the seed
+_MIX = (0x85EBCA6B, 0xC2B2AE35)
+_SEED_SPREAD = 0x9E3779B1
+_LOW32 = 0xFFFFFFFF
+
+
+def rounding_noise(like: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two uniform 16-bit integers (int64 tensors shaped as ``like``) per element, for
+    :func:`round_stochastically`: the halves of murmur3's 32-bit finalizer of the element's
+    index plus a multiple of ``seed`` (an integer scalar tensor; the optimizer passes the step
+    count). A hash, not torch's generator: an inductor kernel draws Philox numbers at about a
+    hundred integer operations each, which made the update compute-bound on an H200, where
+    this takes a dozen; and the same step of a resumed run rounds alike. Tensors of one shape
+    get the same bits in a step; the bits of one element differ from step to step."""
+    index = torch.arange(like.numel(), device=like.device).view(like.shape)
+    h = (index + seed * _SEED_SPREAD) & _LOW32
+    h = h ^ (h >> 16)
+    h = (h * _MIX[0]) & _LOW32
+    h = h ^ (h >> 13)
+    h = (h * _MIX[1]) & _LOW32
+    h = h ^ (h >> 16)
+    return h & 0xFFFF, h >> 16
+
+
+def round_stochastically(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor
+                         ) -> torch.Tensor:
+    """``x`` (float32) in ``dtype`` (bfloat16), rounded up or down with the probabilities that
+    make the result's expectation ``x`` when ``noise`` (integers shaped as ``x``) is uniform
+    in [0, 2^16): it is added to the 16 bits bfloat16 drops, and they are truncated (the carry
+    rounds the magnitude up, so it is the same for negative values). Values bfloat16 holds
+    exactly come back unchanged; infinities and NaNs stay so."""
     if x.dtype != torch.float32 or dtype != torch.bfloat16:
         raise ValueError(f"round_stochastically: float32 to bfloat16 only, not {x.dtype} to "
                          f"{dtype}")
-    noise = torch.randint_like(x, 0, 1 << 16, dtype=torch.int32)
-    bits = (x.view(torch.int32) + noise) & -(1 << 16)
+    bits = (x.view(torch.int32) + noise.to(torch.int32)) & -(1 << 16)
     return bits.view(torch.float32).to(dtype)
 
 
@@ -93,8 +118,9 @@ def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if compute_copy is not None:
         compute_copy.copy_(param)
     if low_precision:
-        for low, exact in zip(stored, (exp_avg, exp_avg_sq)):
-            low.copy_(round_stochastically(exact, low.dtype))
+        noises = rounding_noise(param, step.to(torch.int64))
+        for low, exact, noise in zip(stored, (exp_avg, exp_avg_sq), noises):
+            low.copy_(round_stochastically(exact, low.dtype, noise))
 
 
 _compiled: dict[str, Callable[..., None]] = {}
