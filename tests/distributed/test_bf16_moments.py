@@ -1,9 +1,10 @@
 """``optimizer.moments_dtype = "bfloat16"``: AdamW's moments of the tensors the compiled update
 takes, kept in bfloat16 and rounded stochastically (``components.adam_update``,
 ``components.optimizer``). Stochastic rounding against its definition (each result a
-neighbour, the mean the exact value); the moments against an exact float64 reference where
-rounding to nearest would freeze them; the hash's bits against uniform; whole runs against the same optimizer with float32
-moments (within bfloat16's precision: the two are not meant to agree bit for bit); the dtype
+neighbour, the mean the exact value); the hash's bits against uniform; the moments against an
+exact float64 reference where rounding to nearest would freeze them; whole runs against the
+same optimizer with float32 moments (within bfloat16's precision: the two are not meant to
+agree bit for bit); the dtype
 decided over the whole parameter on two FSDP ranks, and a DCP save and resume there bit for
 bit; checkpoints moving between the two dtypes. Inductor's CPU backend compiles the update."""
 
