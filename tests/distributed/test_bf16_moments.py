@@ -55,6 +55,27 @@ def test_rounding_noise_is_uniform_and_changes_with_the_seed(compiled):
     assert float((low == nxt).double().mean()) < 1e-3
 
 
+def _fmix32(h: int) -> int:
+    # murmur3's 32-bit finalizer in Python integers: the reference of the int32 kernel
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_rounding_noise_is_murmur3s_finalizer_in_wrapping_int32(compiled):
+    """The int32 arithmetic (products wrapping, shifts made logical) gives murmur3's uint32
+    finalizer of index + seed x 0x9E3779B1, bit for bit, for large seeds too."""
+    torch._dynamo.reset()
+    for seed in (0, 1, 40_000, 2**31 - 1):
+        low, high = _noise(compiled)(torch.empty(3, 5), torch.tensor(seed, dtype=torch.int32))
+        want = [_fmix32((i + seed * 0x9E3779B1) & 0xFFFFFFFF) for i in range(15)]
+        assert low.flatten().tolist() == [h & 0xFFFF for h in want], seed
+        assert high.flatten().tolist() == [h >> 16 for h in want], seed
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_stochastic_rounding_lands_on_a_neighbour_with_the_exact_mean(compiled):
     """With the hash's bits, every result is one of the two bfloat16 neighbours; over 200,000

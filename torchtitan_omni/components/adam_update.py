@@ -41,28 +41,34 @@ COMPILED_DTYPES = (torch.float32, torch.float64)
 LOW_PRECISION_MOMENTS = (torch.bfloat16,)
 
 
-#: murmur3's 32-bit finalizer constants, and the odd constant that spreads the seed
-_MIX = (0x85EBCA6B, 0xC2B2AE35)
-_SEED_SPREAD = 0x9E3779B1
-_LOW32 = 0xFFFFFFFF
+#: murmur3's 32-bit finalizer constants as int32 (the products wrap, as its uint32 ones do),
+#: and the odd constant that spreads the seed
+_MIX = (0x85EBCA6B - (1 << 32), 0xC2B2AE35 - (1 << 32))
+_SEED_SPREAD = 0x9E3779B1 - (1 << 32)
+
+
+def _shift_right(h: torch.Tensor, bits: int) -> torch.Tensor:
+    # a logical shift of int32 bits (``>>`` copies the sign bit in)
+    return (h >> bits) & ((1 << (32 - bits)) - 1)
 
 
 def rounding_noise(like: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two uniform 16-bit integers (int64 tensors shaped as ``like``) per element, for
+    """Two uniform 16-bit integers (int32 tensors shaped as ``like``) per element, for
     :func:`round_stochastically`: the halves of murmur3's 32-bit finalizer of the element's
     index plus a multiple of ``seed`` (an integer scalar tensor; the optimizer passes the step
-    count). A hash, not torch's generator: an inductor kernel draws Philox numbers at about a
-    hundred integer operations each, which made the update compute-bound on an H200, where
-    this takes a dozen; and the same step of a resumed run rounds alike. Tensors of one shape
-    get the same bits in a step; the bits of one element differ from step to step."""
-    index = torch.arange(like.numel(), device=like.device).view(like.shape)
-    h = (index + seed * _SEED_SPREAD) & _LOW32
-    h = h ^ (h >> 16)
-    h = (h * _MIX[0]) & _LOW32
-    h = h ^ (h >> 13)
-    h = (h * _MIX[1]) & _LOW32
-    h = h ^ (h >> 16)
-    return h & 0xFFFF, h >> 16
+    count), in int32 arithmetic that wraps. A hash, not torch's generator: an inductor kernel
+    draws Philox numbers at about a hundred integer operations each, which made the update
+    slower than with float32 moments on an H200; and the same step of a resumed run rounds
+    alike. Tensors of one shape get the same bits in a step; the bits of one element differ
+    from step to step."""
+    index = torch.arange(like.numel(), device=like.device, dtype=torch.int32).view(like.shape)
+    h = index + seed.to(torch.int32) * _SEED_SPREAD
+    h = h ^ _shift_right(h, 16)
+    h = h * _MIX[0]
+    h = h ^ _shift_right(h, 13)
+    h = h * _MIX[1]
+    h = h ^ _shift_right(h, 16)
+    return h & 0xFFFF, _shift_right(h, 16)
 
 
 def round_stochastically(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor
@@ -118,7 +124,7 @@ def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if compute_copy is not None:
         compute_copy.copy_(param)
     if low_precision:
-        noises = rounding_noise(param, step.to(torch.int64))
+        noises = rounding_noise(param, step.to(torch.int32))
         for low, exact, noise in zip(stored, (exp_avg, exp_avg_sq), noises):
             low.copy_(round_stochastically(exact, low.dtype, noise))
 
