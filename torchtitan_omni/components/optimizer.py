@@ -23,7 +23,9 @@ fused implementation's large tensors are updated by one compiled kernel each
 (``components.adam_update``: 1.4x torch's fused kernel's bandwidth on one H200) and the rest by
 torch's fused kernel. The compiled kernel multiplies the coefficient in as it reads each
 gradient and leaves the gradient as it was: a gradient the step has read is not to be read
-again (the trainer clears them before the next backward).
+again (the trainer clears them before the next backward). With ``optimizer.moments_dtype``
+(:func:`keep_moments_in`) that kernel keeps its tensors' moments in bf16, rounded
+stochastically.
 """
 
 from __future__ import annotations
