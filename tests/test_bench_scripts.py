@@ -790,3 +790,21 @@ def test_trace_fixed_part_of_two_token_counts(tmp_path):
     out = subprocess.run([sys.executable, "scripts/summarize_trace.py", "--fixed-part", small,
                           large], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and "fixed part (2 x small - large)" in out.stdout, out.stderr
+
+
+def test_gather_dispatch_benchmark_compares_both_implementations():
+    """``bench_gather_dispatch.py --smoke``: one rank's local work at EP2, EP4 and EP8 with the
+    row maps and with torch's ops, the same results, fewer rows used than the buffer holds."""
+    bench = _script("bench_gather_dispatch")
+    rows = bench.main(["--smoke", "--iters", "1", "--warmup", "0"])
+    assert [r["degree"] for r in rows] == [2, 4, 8]
+    for r in rows:
+        assert r["buffer"] == r["degree"] * 16 * 2 and 0 < r["used"] < r["buffer"]
+        assert r["max rel diff"] < 1e-6
+        assert r["kernels fwd+bwd"] > 0 and r["torch fwd+bwd"] > 0
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, "scripts/bench_gather_dispatch.py"], cwd=REPO,
+                             capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert run.returncode == 1
+        assert run.stderr.strip().endswith("needs a CUDA GPU (use --smoke for a CPU check)")

@@ -506,3 +506,63 @@ def test_bf16_moments_round_stochastically_on_cuda():
                weight_decay=0.0, decoupled_weight_decay=True, maximize=False)
     assert v.double().mean().item() == pytest.approx(0.999 ** 600, rel=0.01)
     assert m.double().mean().item() == pytest.approx(0.99 ** 600, rel=0.01)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+def test_local_copies_triton_kernels_match_torch_on_cuda(dtype):
+    """The gather dispatch's row maps (``modules.local_copies``) on CUDA: the Triton kernels
+    against torch's implementation at an EP4 rank's shape (a quarter of the buffer used, NaN
+    in the rest, which the kernels never read), and the dispatcher's local work compiled with
+    them against torch's ops over the whole buffer, forward and backward."""
+    from torchtitan_omni.distributed.expert_gather import GatherExpertParallelDispatcher
+    from torchtitan_omni.modules import local_copies as lc
+    from torchtitan_omni.modules.init import init_context
+    from torchtitan_omni.modules.moe import GroupedExperts
+
+    g = torch.Generator().manual_seed(0)
+    tokens, k, dim = 2048, 8, 2048
+    rows = tokens * k
+    count = torch.tensor(rows // 4, device="cuda")
+    src = torch.randn(tokens, dim, generator=g).to("cuda", dtype)
+    index = torch.randint(0, tokens, (rows,), generator=g).cuda()
+    scale = torch.rand(rows, generator=g).to("cuda", dtype)
+    got = lc.rows_below(src, index, scale, count)[: rows // 4]
+    torch.testing.assert_close(got, lc._rows_below_torch(src, index, scale, count)[: rows // 4])
+    pos = torch.randperm(rows, generator=g).cuda()
+    y = torch.randn(rows, dim, generator=g).to("cuda", dtype)
+    y[rows // 4:] = float("nan")
+    w = torch.rand(tokens, k, generator=g).to("cuda", dtype)
+    torch.testing.assert_close(lc.slot_sums(y, pos, count, w, k),
+                               lc._slot_sums_torch(y, pos, count, w, k))
+    torch.testing.assert_close(lc.slot_dots(y, src, pos, count, k),
+                               lc._slot_dots_torch(y, src, pos, count, k), rtol=1e-4, atol=1e-3)
+
+    class Group:
+        def size(self):
+            return 4
+
+        def rank(self):
+            return 1
+
+    torch._dynamo.reset()
+    experts = GroupedExperts(256, 128, 8)
+    with init_context(experts, seed=0):
+        experts.init_weights(0.05)
+    experts = experts.to("cuda", dtype)
+    ids = torch.rand(4 * 512, 32, generator=g).topk(k, dim=-1).indices.cuda()
+    x = torch.randn(4 * 512, 256, generator=g).to("cuda", dtype)
+    weights = torch.rand(4 * 512, k, generator=g).to("cuda", dtype)
+    upstream = torch.randn(4 * 512, 256, generator=g).to("cuda", dtype)
+    results = []
+    for kernels in (True, False):
+        experts.zero_grad(set_to_none=True)
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        work = torch.compile(GatherExpertParallelDispatcher(Group(), 32, 512,
+                                                            kernels=kernels).run_local,
+                             fullgraph=True)
+        out = work(experts, xi, wi, ids)
+        out.backward(upstream)
+        results.append([out, xi.grad, wi.grad, experts.w1.grad, experts.w2.grad])
+    tol = BF16_REL if dtype == torch.bfloat16 else 1e-5
+    for a, b in zip(*results):
+        assert torch.isfinite(a).all() and _rel(a, b) < tol

@@ -13,8 +13,8 @@ and pass. This dispatcher sends no routed rows at all:
    whose group sizes are device values: rows past the last group belong to no expert and are
    masked out, forward and backward);
 3. it puts the outputs back in (token, choice) order and sums each gathered token's copies
-   weighed by their router weights (the MoE layer's own ``combine``; the copies of other
-   ranks' experts are zero here): one partial output per token of the group;
+   weighed by their router weights (the copies of other ranks' experts count zero): one
+   partial output per token of the group;
 4. a reduce-scatter adds the partial outputs over the ranks and hands each rank its own
    tokens' rows.
 
@@ -23,7 +23,9 @@ layer is one graph to ``torch.compile``. Each exchange moves ``(ranks - 1) x tok
 rank each way, against ``tokens x top_k x (ranks - 1) / ranks`` for the copies dispatcher: 4x
 fewer at EP2 with top 8, 2x fewer at EP4, the same at EP8. The price is memory: the sorted
 copies live in a buffer sized for the worst case (``ranks x tokens x top_k`` rows: every copy
-of the group on this rank), 2x the copies dispatcher's average at EP2.
+of the group on this rank), 2x the copies dispatcher's average at EP2. On CUDA the passes over
+that buffer (the gather, the un-sort and sum, their backwards) touch only the rows this rank's
+experts use (``modules.local_copies``' kernels: a quarter of the buffer on average at EP4).
 
 The backward is the collectives' adjoints (reduce-scatter of the gathered rows' gradients,
 all-gather of the output gradients) through torch's functional collectives. Exact: nothing is
@@ -40,6 +42,7 @@ import torch.nn as nn
 
 from torchtitan_omni.compat import all_gather_traceable, reduce_scatter_traceable
 from torchtitan_omni.distributed.comm import ProcessGroup
+from torchtitan_omni.modules.local_copies import combine_copies, gather_copies
 from torchtitan_omni.modules.moe import combine, gather_sorted, sort_by_expert
 
 
@@ -48,12 +51,17 @@ class GatherExpertParallelDispatcher:
     ``run_tokens`` all-gathers the group's tokens, runs this rank's experts over the copies
     routed to them, and reduce-scatters the weighted sums. ``tokens``: the most tokens a rank
     brings to one call (tokens per micro-batch); fewer are padded to it, so every rank of the
-    group gathers the same rows."""
+    group gathers the same rows. ``kernels``: the passes over the worst-case buffer through
+    ``modules.local_copies`` (its Triton kernels on CUDA, which touch the used rows only;
+    torch's ops elsewhere), or, False, through torch's ops over every row on any device (the
+    baseline of ``scripts/bench_gather_dispatch.py``)."""
 
     host_sync = False
 
-    def __init__(self, group: ProcessGroup, num_experts: int, tokens: int) -> None:
+    def __init__(self, group: ProcessGroup, num_experts: int, tokens: int,
+                 kernels: bool = True) -> None:
         self.group = group
+        self.kernels = kernels
         self.degree = group.size()
         self.rank = group.rank()
         if num_experts % self.degree:
@@ -80,7 +88,6 @@ class GatherExpertParallelDispatcher:
         if n > self.tokens:
             raise ValueError(f"expert dispatch 'gather': {n} tokens on this rank, the layer is "
                              f"sized for {self.tokens} (tokens per micro-batch)")
-        local = self.num_experts // self.degree
         pad = self.tokens - n
         if pad:  # padding tokens route nowhere (-1) with weight 0
             x = torch.cat([x, x.new_zeros(pad, dim)])
@@ -90,21 +97,40 @@ class GatherExpertParallelDispatcher:
         w_all = all_gather_traceable(weights.to(x.dtype), self.group)  # [R, k]
         with torch.no_grad():
             ids = all_gather_traceable(indices, self.group, differentiable=False)
+        partial = self.run_local(experts, x_all, w_all, ids)
+        return reduce_scatter_traceable(partial, self.group)[:n]
+
+    def run_local(self, experts: nn.Module, x_all: torch.Tensor, w_all: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+        """``[R, D]``: this rank's experts over the copies of the gathered tokens ``x_all``
+        ``[R, D]`` routed to them (``ids`` ``[R, k]`` global expert ids, -1 for none), each
+        token's copies weighed by ``w_all`` ``[R, k]`` and summed; the copies of other ranks'
+        experts count zero. No communication (what one rank computes between the exchanges)."""
+        local = self.num_experts // self.degree
+        k = ids.shape[1]
+        with torch.no_grad():
             mine = ids.reshape(-1) - self.rank * local  # [R * k] local expert ids
             key = torch.where((mine >= 0) & (mine < local), mine, local)  # local: not here
             # this rank's copies grouped by local expert, then the rest (stable: by token)
             order, per_key = sort_by_expert(key, local + 1)
             counts_local = per_key[:local]
-            used = (torch.arange(order.numel(), device=key.device)
-                    < counts_local.sum()).unsqueeze(1)
+            count = counts_local.sum()
+        if self.kernels:
+            with torch.no_grad():
+                inverse = torch.empty_like(order)
+                inverse[order] = torch.arange(order.numel(), device=order.device,
+                                              dtype=order.dtype)
+            # rows past `count` are neither written nor read (grouped GEMM ignores them)
+            y = experts(gather_copies(x_all, order, inverse, count, k), counts_local)
+            return combine_copies(y, w_all, order, inverse, count)
+        used = (torch.arange(order.numel(), device=order.device) < count).unsqueeze(1)
         # rows past this rank's copies: zero in, and their outputs and input gradients (which
         # grouped GEMM leaves unspecified past its last group) masked out
         rows = torch.where(used, gather_sorted(x_all, order, k), 0)
         y = torch.where(used, experts(rows, counts_local), 0)
         # back in (token, choice) order, each token's copies weighed and summed (the copies of
         # other ranks' experts are zero here): [R, D]
-        partial = combine(y, order, w_all)
-        return reduce_scatter_traceable(partial, self.group)[:n]
+        return combine(y, order, w_all)
 
     def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:
         """Nothing is dropped."""

@@ -1,0 +1,157 @@
+"""One expert-parallel rank's work in the gather expert dispatch, between its exchanges: the
+passes over its worst-case buffer with ``modules.local_copies``' kernels (the used rows only)
+against torch's ops (every row), at one MoE layer's shape, forward and backward, compiled as
+the trainer compiles the MoE block.
+
+The buffer holds ``ranks x tokens x top_k`` rows, of which this rank's experts use
+``1 / ranks`` on average, so the gap grows with the expert-parallel degree; no communication
+runs (the gathered tokens are made on this GPU), so one GPU times an EP4 or EP8 rank's work:
+
+    python3 scripts/bench_gather_dispatch.py                  # GPU: EP2, EP4, EP8 at 8K tokens
+    python3 scripts/bench_gather_dispatch.py --smoke          # CPU check of the script
+
+Prints one markdown row per degree: the rows used, the forward and the forward + backward in
+ms for each implementation (the median of ``--iters`` timed iterations), the ratio, and the
+largest relative difference of the output and gradients between the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class _Group:
+    """A process group's size and rank: the dispatcher's local work needs no communication."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _inputs(degree, tokens, dim, experts, top_k, dtype, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rows = degree * tokens
+    # top-k distinct experts per token from the router's scores, as the MoE layer picks them
+    scores = torch.rand(rows, experts, generator=g)
+    weights, ids = scores.topk(top_k, dim=-1)
+    x = torch.randn(rows, dim, generator=g) * 0.5
+    upstream = torch.randn(rows, dim, generator=g)
+    return (x.to(device, dtype), (weights / weights.sum(-1, keepdim=True)).to(device, dtype),
+            ids.to(device), upstream.to(device, dtype))
+
+
+def _time(fn, iters: int, warmup: int, sync) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
+    """Both implementations at one degree: times and the largest relative difference."""
+    from torchtitan_omni.distributed.expert_gather import GatherExpertParallelDispatcher
+    from torchtitan_omni.modules.init import init_context
+    from torchtitan_omni.modules.moe import GroupedExperts
+
+    local = args.experts // degree
+    module = GroupedExperts(args.dim, args.hidden, local)
+    with init_context(module, seed=0):
+        module.init_weights(0.02)
+    module = module.to(device, dtype)
+    x, w, ids, upstream = _inputs(degree, args.tokens, args.dim, args.experts, args.top_k,
+                                  dtype, device, seed=degree)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    row = {"degree": degree, "buffer": degree * args.tokens * args.top_k,
+           "used": int(((ids >= 0) & (ids < local)).sum())}
+    results = {}
+    for name, kernels in (("torch", False), ("kernels", True)):
+        dispatcher = GatherExpertParallelDispatcher(_Group(degree, 0), args.experts,
+                                                    args.tokens, kernels=kernels)
+        local_work = dispatcher.run_local
+        if not args.no_compile:
+            local_work = torch.compile(local_work, fullgraph=True)
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+        def forward(work=local_work, xi=xi, wi=wi):
+            with torch.no_grad():
+                return work(module, xi, wi, ids)
+
+        def both(work=local_work, xi=xi, wi=wi):
+            module.zero_grad(set_to_none=True)
+            xi.grad = wi.grad = None
+            out = work(module, xi, wi, ids)
+            out.backward(upstream)
+            return out
+
+        row[f"{name} fwd"] = _time(forward, args.iters, args.warmup, sync)
+        row[f"{name} fwd+bwd"] = _time(both, args.iters, args.warmup, sync)
+        out = both()
+        results[name] = [out.detach(), xi.grad, wi.grad, module.w1.grad, module.w2.grad]
+    row["ratio"] = row["torch fwd+bwd"] / row["kernels fwd+bwd"]
+    row["max rel diff"] = max(_rel(a, b) for a, b in zip(results["kernels"], results["torch"]))
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--degree", type=int, action="append",
+                        help="expert-parallel degrees (repeatable; default 2, 4, 8)")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=768, help="each expert's hidden size")
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="eager (default: compiled)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU check: small shapes, float32, eager")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+        args.tokens, args.dim, args.hidden, args.experts, args.top_k = 16, 16, 8, 8, 2
+        args.no_compile = True
+    elif torch.cuda.is_available():
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    else:
+        raise SystemExit("bench_gather_dispatch: needs a CUDA GPU (use --smoke for a CPU check)")
+    rows = [run(d, args, device, dtype) for d in (args.degree or [2, 4, 8])]
+    print(f"One rank's gather-dispatch work, {args.tokens} tokens a rank, D {args.dim}, "
+          f"H {args.hidden}, {args.experts} experts, top {args.top_k}, {dtype}, "
+          f"{'eager' if args.no_compile else 'compiled'}; ms, median of {args.iters}\n")
+    print("| EP | buffer rows | used | torch fwd | kernels fwd | torch fwd+bwd | kernels fwd+bwd "
+          "| ratio | max rel diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['degree']} | {r['buffer']:,} | {r['used']:,} | {r['torch fwd']:.2f} | "
+              f"{r['kernels fwd']:.2f} | {r['torch fwd+bwd']:.2f} | {r['kernels fwd+bwd']:.2f} "
+              f"| {r['ratio']:.2f}x | {r['max rel diff']:.1e} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Row maps over the first ``count`` rows of a worst-case buffer, for the gather expert
+dispatch (``torchtitan_omni.distributed.expert_gather``).
+
+Why: that dispatch sorts this rank's routed copies into a buffer sized for the worst case
+(``ranks x tokens x top_k`` rows) whose first ``count`` rows (a device value) are used: on
+average ``1 / ranks`` of it. Written with torch's ops, each pass over the buffer (the gather of
+the tokens' rows, the masks past ``count``, the combine's un-sort, their backwards) reads and
+writes every row; under ``torch.compile`` at EP4 those passes took about 34 ms of a 345 ms
+step (docs/performance.md, twenty-sixth session), three quarters of it on rows no expert uses.
+The kernels here read and write the used rows only: a row or slot past ``count`` is a masked
+load and store, which moves no memory.
+
+Three maps, each a custom operator (one opaque node to ``torch.compile``; no host read of
+``count``), with Triton kernels on CUDA and torch's ops elsewhere:
+
+- :func:`rows_below`: ``out[i] = src[index[i]] * scale[i]`` for ``i < count``. Rows past
+  ``count`` are left unwritten on CUDA (zero elsewhere): nothing reads them. Grouped GEMM
+  ignores rows past its last group, and the other two maps read only rows below ``count``.
+- :func:`slot_sums`: for each token ``t``, the sum over its ``k`` slots whose row
+  ``pos[t * k + j]`` is below ``count`` of ``weights[t, j] * src[pos]``, in float32 (float64
+  for float64 inputs), rounded once.
+- :func:`slot_dots`: the float32 dot product of ``src[pos[t * k + j]]`` and ``other[t]`` for
+  the slots below ``count`` (0 for the others): the weights' gradient of :func:`slot_sums`.
+
+:func:`gather_copies` and :func:`combine_copies` are the dispatch's two differentiable steps,
+each the other's adjoint up to the weights. Results equal torch's ops (the rows bit for bit;
+the sums up to float32 summation order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+#: what the Triton kernels take (they sum in float32); float64 goes to torch's ops
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kernels_available(device: torch.device) -> bool:
+    """Whether the Triton kernels run on ``device`` (CUDA with Triton installed)."""
+    return triton is not None and device.type == "cuda"
+
+
+def _kernels_take(src: torch.Tensor) -> bool:
+    return kernels_available(src.device) and src.dtype in KERNEL_DTYPES
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    # products and sums in float32, or in the inputs' dtype where wider (float64)
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ---------------------------------------------------------------- torch's ops (any device)
+
+def _rows_below_torch(src, index, scale, count):
+    out = src.index_select(0, index)
+    if scale is not None:
+        wide = _sum_dtype(src.dtype)
+        out = (out.to(wide) * scale.to(wide).unsqueeze(1)).to(src.dtype)
+    used = torch.arange(index.numel(), device=index.device) < count
+    return torch.where(used.unsqueeze(1), out, 0)
+
+
+def _slot_rows_torch(src, pos, count):
+    # [T * k, D]: each slot's row, zero for slots past count
+    rows = src.index_select(0, pos.clamp(max=src.shape[0] - 1))
+    return torch.where((pos < count).unsqueeze(1), rows, 0)
+
+
+def _slot_sums_torch(src, pos, count, weights, top_k):
+    rows = _slot_rows_torch(src, pos, count).view(-1, top_k, src.shape[1])
+    if weights is None:
+        return rows.sum(dim=1)
+    return (rows * weights.to(_sum_dtype(src.dtype)).unsqueeze(-1)).sum(dim=1).to(src.dtype)
+
+
+def _slot_dots_torch(src, other, pos, count, top_k):
+    wide = _sum_dtype(src.dtype)
+    rows = _slot_rows_torch(src, pos, count).view(-1, top_k, src.shape[1]).to(wide)
+    return (rows * other.to(wide).unsqueeze(1)).sum(dim=-1)
+
+
+# ---------------------------------------------------------------- Triton kernels (CUDA)
+
+if triton is not None:
+
+    @triton.jit
+    def _rows_below_kernel(src_ptr, index_ptr, scale_ptr, out_ptr, count_ptr, width,
+                           HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        # a row past count moves nothing: every column masked
+        mask = cols < tl.where(row < tl.load(count_ptr), width, 0)
+        src_row = tl.load(index_ptr + row).to(tl.int64)
+        values = tl.load(src_ptr + src_row * width + cols, mask=mask)
+        if HAS_SCALE:
+            values = values.to(tl.float32) * tl.load(scale_ptr + row).to(tl.float32)
+        tl.store(out_ptr + row.to(tl.int64) * width + cols,
+                 values.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _slot_sums_kernel(src_ptr, pos_ptr, weights_ptr, out_ptr, count_ptr, width,
+                          TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        count = tl.load(count_ptr)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            pos = tl.load(pos_ptr + token * TOP_K + j)
+            values = tl.load(src_ptr + pos.to(tl.int64) * width + cols,
+                             mask=cols < tl.where(pos < count, width, 0),
+                             other=0.0).to(tl.float32)
+            if HAS_WEIGHTS:
+                values = values * tl.load(weights_ptr + token * TOP_K + j).to(tl.float32)
+            total += values
+        tl.store(out_ptr + token.to(tl.int64) * width + cols,
+                 total.to(out_ptr.dtype.element_ty), mask=cols < width)
+
+    @triton.jit
+    def _slot_dots_kernel(src_ptr, other_ptr, pos_ptr, out_ptr, count_ptr, width,
+                          TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0)
+        count = tl.load(count_ptr)
+        for j in tl.static_range(TOP_K):
+            pos = tl.load(pos_ptr + token * TOP_K + j)
+            limit = tl.where(pos < count, width, 0)  # a slot past count reads nothing
+            total = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, width, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < limit
+                a = tl.load(src_ptr + pos.to(tl.int64) * width + cols, mask=mask, other=0.0)
+                b = tl.load(other_ptr + token.to(tl.int64) * width + cols, mask=mask, other=0.0)
+                total += a.to(tl.float32) * b.to(tl.float32)
+            tl.store(out_ptr + token * TOP_K + j, tl.sum(total, axis=0))
+
+
+def _block(width: int) -> int:
+    return min(1024, triton.next_power_of_2(width))
+
+
+def _rows_below_triton(src, index, scale, count):
+    out = torch.empty((index.numel(), src.shape[1]), dtype=src.dtype, device=src.device)
+    if out.numel():
+        block = _block(src.shape[1])
+        grid = (index.numel(), triton.cdiv(src.shape[1], block))
+        _rows_below_kernel[grid](src, index, index if scale is None else scale.contiguous(),
+                                 out, count, src.shape[1], HAS_SCALE=scale is not None,
+                                 BLOCK=block)
+    return out
+
+
+def _slot_sums_triton(src, pos, count, weights, top_k):
+    tokens = pos.numel() // top_k
+    out = torch.empty((tokens, src.shape[1]), dtype=src.dtype, device=src.device)
+    if out.numel():
+        block = _block(src.shape[1])
+        grid = (tokens, triton.cdiv(src.shape[1], block))
+        _slot_sums_kernel[grid](src, pos, pos if weights is None else weights.contiguous(), out,
+                                count, src.shape[1], TOP_K=top_k,
+                                HAS_WEIGHTS=weights is not None, BLOCK=block)
+    return out
+
+
+def _slot_dots_triton(src, other, pos, count, top_k):
+    tokens = pos.numel() // top_k
+    out = torch.empty((tokens, top_k), dtype=torch.float32, device=src.device)
+    if out.numel():
+        _slot_dots_kernel[(tokens,)](src, other, pos, out, count, src.shape[1], TOP_K=top_k,
+                                     BLOCK=_block(src.shape[1]))
+    return out
+
+
+# ---------------------------------------------------------------- the operators
+
+@torch.library.custom_op("torchtitan_omni::rows_below", mutates_args=())
+def rows_below(src: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None,
+               count: torch.Tensor) -> torch.Tensor:
+    """``[len(index), D]``: ``src[index[i]]`` (times ``scale[i]`` in float32, or float64, if
+    given) for ``i < count``; the rows past ``count`` unwritten on CUDA, zero elsewhere."""
+    src, index = src.contiguous(), index.contiguous()
+    run = _rows_below_triton if _kernels_take(src) else _rows_below_torch
+    return run(src, index, scale, count)
+
+
+@rows_below.register_fake
+def _rows_below_fake(src, index, scale, count):
+    return src.new_empty((index.shape[0], src.shape[1]))
+
+
+@torch.library.custom_op("torchtitan_omni::slot_sums", mutates_args=())
+def slot_sums(src: torch.Tensor, pos: torch.Tensor, count: torch.Tensor,
+              weights: torch.Tensor | None, top_k: int) -> torch.Tensor:
+    """``[len(pos) / top_k, D]``: per token, the sum over its slots below ``count`` of
+    ``weights[t, j] * src[pos[t * top_k + j]]`` (float32, or float64, rounded once to ``src``'s
+    dtype)."""
+    src, pos = src.contiguous(), pos.contiguous()
+    run = _slot_sums_triton if _kernels_take(src) else _slot_sums_torch
+    return run(src, pos, count, weights, top_k)
+
+
+@slot_sums.register_fake
+def _slot_sums_fake(src, pos, count, weights, top_k):
+    return src.new_empty((pos.shape[0] // top_k, src.shape[1]))
+
+
+@torch.library.custom_op("torchtitan_omni::slot_dots", mutates_args=())
+def slot_dots(src: torch.Tensor, other: torch.Tensor, pos: torch.Tensor, count: torch.Tensor,
+              top_k: int) -> torch.Tensor:
+    """``[len(pos) / top_k, top_k]`` in float32 (float64 for float64 ``src``): ``src[pos[t *
+    top_k + j]] . other[t]`` for the slots below ``count``, 0 for the others."""
+    src, other, pos = src.contiguous(), other.contiguous(), pos.contiguous()
+    run = _slot_dots_triton if _kernels_take(src) else _slot_dots_torch
+    return run(src, other, pos, count, top_k)
+
+
+@slot_dots.register_fake
+def _slot_dots_fake(src, other, pos, count, top_k):
+    return src.new_empty((pos.shape[0] // top_k, top_k), dtype=_sum_dtype(src.dtype))
+
+
+# ---------------------------------------------------------------- differentiable steps
+
+class _GatherCopies(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, order, inverse, count, top_k: int):
+        ctx.save_for_backward(inverse, count)
+        ctx.top_k = top_k
+        return rows_below(x, torch.div(order, top_k, rounding_mode="floor"), None, count)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, count = ctx.saved_tensors
+        return slot_sums(grad, inverse, count, None, ctx.top_k), None, None, None, None
+
+
+def gather_copies(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
+                  count: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[len(order), D]``: row ``i < count`` is the token of slot ``order[i]`` (``x[order[i] //
+    top_k]``, ``x`` ``[T, D]``); ``inverse[order] = arange``. The backward sums each token's
+    slots below ``count``."""
+    return _GatherCopies.apply(x, order, inverse, count, top_k)
+
+
+class _CombineCopies(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights, order, inverse, count):
+        top_k = weights.shape[1]
+        scale = weights.to(y.dtype)
+        ctx.save_for_backward(y, scale, order, inverse, count)
+        ctx.weights_dtype = weights.dtype
+        return slot_sums(y, inverse, count, scale, top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, scale, order, inverse, count = ctx.saved_tensors
+        top_k = scale.shape[1]
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_y = rows_below(grad, torch.div(order, top_k, rounding_mode="floor"),
+                                scale.reshape(-1).index_select(0, order), count)
+        if ctx.needs_input_grad[1]:
+            dots = slot_dots(y, grad, inverse, count, top_k)
+            grad_w = dots.to(y.dtype).to(ctx.weights_dtype)
+        return grad_y, grad_w, None, None, None
+
+
+def combine_copies(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+                   inverse: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``[T, D]``: each token's slots below ``count`` un-sorted from ``y`` (row ``inverse[t *
+    k + j]``) and summed weighed by ``weights`` ``[T, k]``, rounded to ``y``'s dtype as
+    ``modules.moe.combine`` rounds them (weights in ``y``'s dtype, float32 products and sum,
+    one rounding). Rows of ``y`` at or past ``count`` are never read."""
+    return _CombineCopies.apply(y, weights, order, inverse, count)
