@@ -89,6 +89,7 @@ def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
            "used": int(((ids >= 0) & (ids < local)).sum())}
     results = {}
     for name, kernels in (("torch", False), ("kernels", True)):
+        torch._dynamo.reset()  # each (degree, implementation) compiles afresh
         dispatcher = GatherExpertParallelDispatcher(_Group(degree, 0), args.experts,
                                                     args.tokens, kernels=kernels)
         local_work = dispatcher.run_local
