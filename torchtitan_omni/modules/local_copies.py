@@ -124,15 +124,15 @@ if triton is not None:
 
     @triton.jit
     def _slot_dots_kernel(src_ptr, other_ptr, pos_ptr, out_ptr, count_ptr, width,
-                          TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                          TOP_K: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
         token = tl.program_id(0)
         count = tl.load(count_ptr)
         for j in tl.static_range(TOP_K):
             pos = tl.load(pos_ptr + token * TOP_K + j)
             limit = tl.where(pos < count, width, 0)  # a slot past count reads nothing
             total = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(0, width, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
+            for b in range(BLOCKS):  # a constant bound: Triton 3.6's interpreter wants one
+                cols = b * BLOCK + tl.arange(0, BLOCK)
                 mask = cols < limit
                 a = tl.load(src_ptr + pos.to(tl.int64) * width + cols, mask=mask, other=0.0)
                 b = tl.load(other_ptr + token.to(tl.int64) * width + cols, mask=mask, other=0.0)
@@ -171,8 +171,9 @@ def _slot_dots_triton(src, other, pos, count, top_k):
     tokens = pos.numel() // top_k
     out = torch.empty((tokens, top_k), dtype=torch.float32, device=src.device)
     if out.numel():
+        block = _block(src.shape[1])
         _slot_dots_kernel[(tokens,)](src, other, pos, out, count, src.shape[1], TOP_K=top_k,
-                                     BLOCK=_block(src.shape[1]))
+                                     BLOCK=block, BLOCKS=triton.cdiv(src.shape[1], block))
     return out
 
 
