@@ -66,6 +66,18 @@ def _time(fn, iters: int, warmup: int, sync) -> float:
     return statistics.median(times) * 1e3
 
 
+def _top_kernels(fn, device: torch.device, top: int = 12) -> str:
+    # one forward + backward under torch's profiler: the kernels by device time
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with profile(activities=activities) as prof:
+        fn()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=70)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
@@ -110,6 +122,8 @@ def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
 
         row[f"{name} fwd"] = _time(forward, args.iters, args.warmup, sync)
         row[f"{name} fwd+bwd"] = _time(both, args.iters, args.warmup, sync)
+        if args.profile:
+            row[f"{name} kernels"] = _top_kernels(both, device)
         out = both()
         results[name] = [out.detach(), xi.grad, wi.grad, module.w1.grad, module.w2.grad]
     row["ratio"] = row["torch fwd+bwd"] / row["kernels fwd+bwd"]
@@ -129,6 +143,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="eager (default: compiled)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each implementation's top kernels (one fwd + bwd)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU check: small shapes, float32, eager")
     args = parser.parse_args(argv)
@@ -151,6 +167,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {r['degree']} | {r['buffer']:,} | {r['used']:,} | {r['torch fwd']:.2f} | "
               f"{r['kernels fwd']:.2f} | {r['torch fwd+bwd']:.2f} | {r['kernels fwd+bwd']:.2f} "
               f"| {r['ratio']:.2f}x | {r['max rel diff']:.1e} |")
+    for r in rows if args.profile else []:
+        for name in ("torch", "kernels"):
+            print(f"\nEP{r['degree']}, {name}: top kernels of one forward + backward\n")
+            print(r[f"{name} kernels"])
     return rows
 
 
