@@ -1,9 +1,10 @@
 """The gather expert dispatch's row maps over the used rows of its worst-case buffer
 (``torchtitan_omni.modules.local_copies``): the operators against their definitions written as
 loops (float64), the two differentiable steps' gradients against autograd through a dense
-reference, rows past ``count`` never read (NaN there changes nothing), the Triton kernels in
-Triton's interpreter (CPU) against torch's implementation, and the dispatcher's local work with
-and without them."""
+reference, rows past ``count`` never read (NaN there changes nothing), the experts' SwiGLU and
+input-gradient sum over the used rows against autograd, the Triton kernels in Triton's
+interpreter (CPU) against torch's implementation, and the dispatcher's local work with and
+without them."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ import torch
 from torchtitan_omni.distributed.expert_gather import GatherExpertParallelDispatcher
 from torchtitan_omni.modules.local_copies import (
     combine_copies,
+    fork_rows,
     gather_copies,
     rows_below,
     slot_dots,
     slot_sums,
+    swiglu_rows,
 )
 from torchtitan_omni.modules.init import init_context
 from torchtitan_omni.modules.moe import GroupedExperts
@@ -114,6 +117,33 @@ def test_gather_and_combine_gradients_match_a_dense_reference():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("count", [0, 5, 9])
+def test_swiglu_and_fork_over_the_used_rows_match_autograd(count):
+    """``silu(a) * b`` and its gradients, and two consumers' gradients summed by
+    ``fork_rows``, against autograd (float64) on the rows below ``count``; zero past it (the
+    CPU implementation), whatever those rows hold (NaN)."""
+    g = torch.Generator().manual_seed(count)
+    a, b, up = (torch.randn(9, 6, generator=g, dtype=torch.float64) for _ in range(3))
+    a[count:] = float("nan")
+    c = torch.tensor(count)
+    x = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    ai, bi = a.clone().requires_grad_(), b.clone().requires_grad_()
+    out = swiglu_rows(ai, bi, c)
+    grads = torch.autograd.grad((out * up).sum(), (ai, bi))
+    ar, br = a[:count].clone().requires_grad_(), b[:count].clone().requires_grad_()
+    ref = torch.nn.functional.silu(ar) * br
+    want = torch.autograd.grad((ref * up[:count]).sum(), (ar, br), allow_unused=True)
+    torch.testing.assert_close(out[:count], ref)
+    assert (out[count:] == 0).all()
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got[:count], torch.zeros_like(got[:count]) if w is None else w)
+        assert (got[count:] == 0).all()
+    x1, x2 = fork_rows(x, c)
+    (grad_x,) = torch.autograd.grad((x1 * 2 + x2 * up).sum(), (x,))
+    torch.testing.assert_close(grad_x[:count], (2 + up)[:count])
+    assert (grad_x[count:] == 0).all()
+
+
 class _Group:
     """A process group's size and rank, for the dispatcher's local work (no communication)."""
 
@@ -184,6 +214,14 @@ _INTERPRETED = textwrap.dedent("""
             got = lc._slot_dots_triton(y, other, pos, c, k)
             want = lc._slot_dots_torch(y, other, pos, c, k)
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (dtype, count)
+            a, b, g = (torch.randn(rows, width).to(dtype) for _ in range(3))
+            a[count:] = float("nan")
+            pairs = [(lc._rowwise_triton(0, a, b, c), lc._swiglu_torch(a, b, c)),
+                     (lc._rowwise_triton(2, a, b, c), lc._add_rows_torch(a, b, c)),
+                     *zip(lc._rowwise_triton(1, a, b, c, g), lc._swiglu_backward_torch(g, a, b, c))]
+            for got, want in pairs:
+                assert torch.allclose(got[:count].float(), want[:count].float(), rtol=tol,
+                                      atol=tol), (dtype, count)
     print("kernels ok")
 """)
 

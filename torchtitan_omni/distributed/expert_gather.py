@@ -24,8 +24,9 @@ rank each way, against ``tokens x top_k x (ranks - 1) / ranks`` for the copies d
 fewer at EP2 with top 8, 2x fewer at EP4, the same at EP8. The price is memory: the sorted
 copies live in a buffer sized for the worst case (``ranks x tokens x top_k`` rows: every copy
 of the group on this rank), 2x the copies dispatcher's average at EP2. On CUDA the passes over
-that buffer (the gather, the un-sort and sum, their backwards) touch only the rows this rank's
-experts use (``modules.local_copies``' kernels: a quarter of the buffer on average at EP4).
+that buffer (the gather, the experts' SwiGLU product and input-gradient sum, the un-sort and
+sum, their backwards) touch only the rows this rank's experts use (``modules.local_copies``'
+kernels: a quarter of the buffer on average at EP4).
 
 The backward is the collectives' adjoints (reduce-scatter of the gathered rows' gradients,
 all-gather of the output gradients) through torch's functional collectives. Exact: nothing is
@@ -121,7 +122,8 @@ class GatherExpertParallelDispatcher:
                 inverse[order] = torch.arange(order.numel(), device=order.device,
                                               dtype=order.dtype)
             # rows past `count` are neither written nor read (grouped GEMM ignores them)
-            y = experts(gather_copies(x_all, order, inverse, count, k), counts_local)
+            y = experts(gather_copies(x_all, order, inverse, count, k), counts_local,
+                        used_rows=count)
             return combine_copies(y, w_all, order, inverse, count)
         used = (torch.arange(order.numel(), device=order.device) < count).unsqueeze(1)
         # rows past this rank's copies: zero in, and their outputs and input gradients (which

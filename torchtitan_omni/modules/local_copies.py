@@ -25,6 +25,12 @@ Three maps, each a custom operator (one opaque node to ``torch.compile``; no hos
 :func:`gather_copies` and :func:`combine_copies` are the dispatch's two differentiable steps,
 each the other's adjoint up to the weights. Results equal torch's ops (the rows bit for bit;
 the sums up to float32 summation order).
+
+Between them the experts (``modules.moe.GroupedExperts`` with ``used_rows``) keep to the used
+rows too: :func:`swiglu_rows` is SwiGLU's product ``silu(a) * b`` over the rows below
+``count`` (and its backward), and :func:`fork_rows` hands the gate and up projections one
+input each, summing their gradients over the rows below ``count`` (autograd would add the two
+over every row).
 """
 
 from __future__ import annotations
@@ -86,6 +92,31 @@ def _slot_dots_torch(src, other, pos, count, top_k):
     return (rows * other.to(wide).unsqueeze(1)).sum(dim=-1)
 
 
+def _used(x, count):
+    return (torch.arange(x.shape[0], device=x.device) < count).unsqueeze(1)
+
+
+def _swiglu_torch(a, b, count):
+    wide = _sum_dtype(a.dtype)
+    out = (torch.nn.functional.silu(a.to(wide)) * b.to(wide)).to(a.dtype)
+    return torch.where(_used(a, count), out, 0)
+
+
+def _swiglu_backward_torch(grad, a, b, count):
+    wide = _sum_dtype(a.dtype)
+    g, a32, b32 = grad.to(wide), a.to(wide), b.to(wide)
+    sig = torch.sigmoid(a32)
+    grad_a = g * b32 * sig * (1 + a32 * (1 - sig))
+    grad_b = g * a32 * sig
+    used = _used(a, count)
+    return (torch.where(used, grad_a.to(a.dtype), 0), torch.where(used, grad_b.to(b.dtype), 0))
+
+
+def _add_rows_torch(a, b, count):
+    wide = _sum_dtype(a.dtype)
+    return torch.where(_used(a, count), (a.to(wide) + b.to(wide)).to(a.dtype), 0)
+
+
 # ---------------------------------------------------------------- Triton kernels (CUDA)
 
 if triton is not None:
@@ -138,6 +169,42 @@ if triton is not None:
                 b = tl.load(other_ptr + token.to(tl.int64) * width + cols, mask=mask, other=0.0)
                 total += a.to(tl.float32) * b.to(tl.float32)
             tl.store(out_ptr + token * TOP_K + j, tl.sum(total, axis=0))
+
+
+    @triton.jit
+    def _rowwise_kernel(a_ptr, b_ptr, c_ptr, out_ptr, out2_ptr, count_ptr, width,
+                        OP: tl.constexpr, BLOCK: tl.constexpr):
+        # OP 0: out = silu(a) * b; 1: (out, out2) = SwiGLU's gradients for grad c; 2: out = a + b
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < tl.where(row < tl.load(count_ptr), width, 0)
+        at = row.to(tl.int64) * width + cols
+        a = tl.load(a_ptr + at, mask=mask).to(tl.float32)
+        b = tl.load(b_ptr + at, mask=mask).to(tl.float32)
+        if OP == 0:
+            tl.store(out_ptr + at, (a * tl.sigmoid(a) * b).to(out_ptr.dtype.element_ty),
+                     mask=mask)
+        elif OP == 1:
+            g = tl.load(c_ptr + at, mask=mask).to(tl.float32)
+            sig = tl.sigmoid(a)
+            tl.store(out_ptr + at, (g * b * sig * (1 + a * (1 - sig))).to(
+                out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out2_ptr + at, (g * a * sig).to(out2_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptr + at, (a + b).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rowwise_triton(op: int, a, b, count, grad=None):
+    a, b = a.contiguous(), b.contiguous()
+    out = torch.empty_like(a)
+    out2 = torch.empty_like(b) if op == 1 else out
+    if a.numel():
+        width = a.shape[1]
+        block = _block(width)
+        _rowwise_kernel[(a.shape[0], triton.cdiv(width, block))](
+            a, b, a if grad is None else grad.contiguous(), out, out2, count, width, OP=op,
+            BLOCK=block)
+    return (out, out2) if op == 1 else out
 
 
 def _block(width: int) -> int:
@@ -278,3 +345,77 @@ def combine_copies(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
     ``modules.moe.combine`` rounds them (weights in ``y``'s dtype, float32 products and sum,
     one rounding). Rows of ``y`` at or past ``count`` are never read."""
     return _CombineCopies.apply(y, weights, order, inverse, count)
+
+
+@torch.library.custom_op("torchtitan_omni::swiglu_rows", mutates_args=())
+def swiglu_rows(a: torch.Tensor, b: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b`` (``[M, H]``, float32 inside, one rounding) for the rows below ``count``;
+    the rest unwritten on CUDA, zero elsewhere."""
+    if _kernels_take(a):
+        return _rowwise_triton(0, a, b, count)
+    return _swiglu_torch(a, b, count)
+
+
+@swiglu_rows.register_fake
+def _swiglu_rows_fake(a, b, count):
+    return torch.empty_like(a)
+
+
+@torch.library.custom_op("torchtitan_omni::swiglu_rows_backward", mutates_args=())
+def swiglu_rows_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`swiglu_rows` for ``a`` and ``b`` over the rows below ``count``."""
+    if _kernels_take(a):
+        return _rowwise_triton(1, a, b, count, grad)
+    return _swiglu_backward_torch(grad, a, b, count)
+
+
+@swiglu_rows_backward.register_fake
+def _swiglu_rows_backward_fake(grad, a, b, count):
+    return torch.empty_like(a), torch.empty_like(b)
+
+
+def _swiglu_setup(ctx, inputs, output) -> None:
+    a, b, count = inputs
+    ctx.save_for_backward(a, b, count)
+
+
+def _swiglu_backward(ctx, grad):
+    a, b, count = ctx.saved_tensors
+    grad_a, grad_b = swiglu_rows_backward(grad, a, b, count)
+    return grad_a, grad_b, None
+
+
+swiglu_rows.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+@torch.library.custom_op("torchtitan_omni::add_rows", mutates_args=())
+def add_rows(a: torch.Tensor, b: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``a + b`` for the rows below ``count`` (float32 inside); the rest unwritten on CUDA,
+    zero elsewhere."""
+    if _kernels_take(a):
+        return _rowwise_triton(2, a, b, count)
+    return _add_rows_torch(a, b, count)
+
+
+@add_rows.register_fake
+def _add_rows_fake(a, b, count):
+    return torch.empty_like(a)
+
+
+class _ForkRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, count):
+        ctx.save_for_backward(count)
+        return x.view_as(x), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_1, grad_2):
+        (count,) = ctx.saved_tensors
+        return add_rows(grad_1, grad_2, count), None
+
+
+def fork_rows(x: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` twice (views), for two consumers whose gradients are summed over the rows below
+    ``count`` only: the rows past it of ``x``'s gradient are left unwritten (zero off CUDA)."""
+    return _ForkRows.apply(x, count)

@@ -73,6 +73,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_omni.compat import grouped_mm
 from torchtitan_omni.modules import init
+from torchtitan_omni.modules.local_copies import fork_rows, swiglu_rows
 from torchtitan_omni.modules.row_maps import permute_rows, spread_rows
 from torchtitan_omni.modules.segment_mm import segment_mm
 
@@ -199,9 +200,14 @@ class GroupedExperts(nn.Module):
         """Experts this rank holds (all of them unless expert parallel shards them)."""
         return _local(self.w1).shape[0]
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | None,
+                used_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Exact groups: ``x`` ``[M, D]`` sorted by local expert, ``counts`` ``[local experts]``;
-        padded groups: ``x`` ``[local experts, R, D]``, ``counts`` None. Same shape out."""
+        padded groups: ``x`` ``[local experts, R, D]``, ``counts`` None. Same shape out.
+        ``used_rows`` (exact groups, a device scalar: ``counts.sum()``) says that the rows past
+        the groups are never read: SwiGLU's product and the sum of the input's two gradients
+        then skip them (``modules.local_copies``; the gather dispatch's worst-case buffer), and
+        those rows of the output and of ``x``'s gradient are left unspecified."""
         local = self.num_local_experts
         n_groups = x.shape[0] if counts is None else counts.shape[0]
         if n_groups != local:
@@ -219,7 +225,12 @@ class GroupedExperts(nn.Module):
             # Without FSDP's mixed precision, TorchTitan autocasts; grouped_mm does not.
             dtype = torch.bfloat16
         groups = ExpertGroups(counts, dtype)
-        h = F.silu(self.project(x, "w1", groups)) * self.project(x, "w3", groups)
+        if used_rows is not None and counts is not None:
+            x_gate, x_up = fork_rows(x, used_rows)
+            h = swiglu_rows(self.project(x_gate, "w1", groups), self.project(x_up, "w3", groups),
+                            used_rows)
+        else:
+            h = F.silu(self.project(x, "w1", groups)) * self.project(x, "w3", groups)
         return self.project(h, "w2", groups)
 
     def project(self, x: torch.Tensor, which: str, groups: ExpertGroups) -> torch.Tensor:
