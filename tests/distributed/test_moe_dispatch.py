@@ -98,9 +98,9 @@ def _tail_poisoned(experts):
             return torch.where(tail, float("nan"), grad), None
 
     class TailPoisoned(GroupedExperts):
-        def forward(self, x, counts):
+        def forward(self, x, counts, used_rows=None):
             tail = (torch.arange(x.shape[0], device=x.device) >= counts.sum()).unsqueeze(1)
-            out = super().forward(NanGradient.apply(x, tail), counts)
+            out = super().forward(NanGradient.apply(x, tail), counts, used_rows=used_rows)
             return torch.where(tail, float("nan"), out)
 
     experts.__class__ = TailPoisoned

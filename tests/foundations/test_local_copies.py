@@ -190,7 +190,7 @@ _INTERPRETED = textwrap.dedent("""
     import torch
     from torchtitan_omni.modules import local_copies as lc
     torch.manual_seed(0)
-    tokens, k, width = 9, 4, 1100  # two column blocks of 1024
+    tokens, k, width = 9, 3, 1100  # 27 rows: a last tile of 3; two column blocks of 1024
     rows = tokens * k
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)):
         for count in (0, 13, rows):

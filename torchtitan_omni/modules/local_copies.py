@@ -122,17 +122,20 @@ def _add_rows_torch(a, b, count):
 if triton is not None:
 
     @triton.jit
-    def _rows_below_kernel(src_ptr, index_ptr, scale_ptr, out_ptr, count_ptr, width,
-                           HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def _rows_below_kernel(src_ptr, index_ptr, scale_ptr, out_ptr, count_ptr, rows, width,
+                           HAS_SCALE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # a tile of ROWS rows: a program per row spent most of its time starting up on the
+        # unused rows (which move nothing: every lane of a row past count is masked)
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        # a row past count moves nothing: every column masked
-        mask = cols < tl.where(row < tl.load(count_ptr), width, 0)
-        src_row = tl.load(index_ptr + row).to(tl.int64)
-        values = tl.load(src_ptr + src_row * width + cols, mask=mask)
+        limit = tl.where(row < tl.minimum(tl.load(count_ptr), rows), width, 0)
+        mask = cols[None, :] < limit[:, None]
+        src_row = tl.load(index_ptr + row, mask=limit > 0, other=0).to(tl.int64)
+        values = tl.load(src_ptr + src_row[:, None] * width + cols[None, :], mask=mask)
         if HAS_SCALE:
-            values = values.to(tl.float32) * tl.load(scale_ptr + row).to(tl.float32)
-        tl.store(out_ptr + row.to(tl.int64) * width + cols,
+            scale = tl.load(scale_ptr + row, mask=limit > 0, other=0.0).to(tl.float32)
+            values = values.to(tl.float32) * scale[:, None]
+        tl.store(out_ptr + row.to(tl.int64)[:, None] * width + cols[None, :],
                  values.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -172,13 +175,14 @@ if triton is not None:
 
 
     @triton.jit
-    def _rowwise_kernel(a_ptr, b_ptr, c_ptr, out_ptr, out2_ptr, count_ptr, width,
-                        OP: tl.constexpr, BLOCK: tl.constexpr):
+    def _rowwise_kernel(a_ptr, b_ptr, c_ptr, out_ptr, out2_ptr, count_ptr, rows, width,
+                        OP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         # OP 0: out = silu(a) * b; 1: (out, out2) = SwiGLU's gradients for grad c; 2: out = a + b
-        row = tl.program_id(0)
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < tl.where(row < tl.load(count_ptr), width, 0)
-        at = row.to(tl.int64) * width + cols
+        limit = tl.where(row < tl.minimum(tl.load(count_ptr), rows), width, 0)
+        mask = cols[None, :] < limit[:, None]
+        at = row.to(tl.int64)[:, None] * width + cols[None, :]
         a = tl.load(a_ptr + at, mask=mask).to(tl.float32)
         b = tl.load(b_ptr + at, mask=mask).to(tl.float32)
         if OP == 0:
@@ -201,10 +205,14 @@ def _rowwise_triton(op: int, a, b, count, grad=None):
     if a.numel():
         width = a.shape[1]
         block = _block(width)
-        _rowwise_kernel[(a.shape[0], triton.cdiv(width, block))](
-            a, b, a if grad is None else grad.contiguous(), out, out2, count, width, OP=op,
-            BLOCK=block)
+        _rowwise_kernel[(triton.cdiv(a.shape[0], TILE_ROWS), triton.cdiv(width, block))](
+            a, b, a if grad is None else grad.contiguous(), out, out2, count, a.shape[0], width,
+            OP=op, ROWS=TILE_ROWS, BLOCK=block)
     return (out, out2) if op == 1 else out
+
+
+#: rows per program of the row-wise kernels
+TILE_ROWS = 4
 
 
 def _block(width: int) -> int:
@@ -215,10 +223,10 @@ def _rows_below_triton(src, index, scale, count):
     out = torch.empty((index.numel(), src.shape[1]), dtype=src.dtype, device=src.device)
     if out.numel():
         block = _block(src.shape[1])
-        grid = (index.numel(), triton.cdiv(src.shape[1], block))
+        grid = (triton.cdiv(index.numel(), TILE_ROWS), triton.cdiv(src.shape[1], block))
         _rows_below_kernel[grid](src, index, index if scale is None else scale.contiguous(),
-                                 out, count, src.shape[1], HAS_SCALE=scale is not None,
-                                 BLOCK=block)
+                                 out, count, index.numel(), src.shape[1],
+                                 HAS_SCALE=scale is not None, ROWS=TILE_ROWS, BLOCK=block)
     return out
 
 
