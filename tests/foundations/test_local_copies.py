@@ -199,9 +199,12 @@ _INTERPRETED = textwrap.dedent("""
             index = torch.randint(0, tokens, (rows,))
             scale = torch.randn(rows).to(dtype)
             for s in (None, scale):
-                got = lc._rows_below_triton(src, index, s, c)[:count].float()
+                # rows past count are left as they were (NaN here): not written
+                out = torch.full((rows, width), float("nan"), dtype=dtype)
+                got = lc._rows_below_triton(src, index, s, c, out=out)
                 want = lc._rows_below_torch(src, index, s, c)[:count].float()
-                assert torch.allclose(got, want, rtol=tol, atol=0), (dtype, count, s is None)
+                assert torch.allclose(got[:count].float(), want, rtol=tol, atol=0), (dtype, count)
+                assert got[count:].isnan().all()
             pos = torch.randperm(rows)
             y = torch.randn(rows, width).to(dtype)
             y[count:] = float("nan")  # rows past count: never read
@@ -216,6 +219,8 @@ _INTERPRETED = textwrap.dedent("""
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (dtype, count)
             a, b, g = (torch.randn(rows, width).to(dtype) for _ in range(3))
             a[count:] = float("nan")
+            out = torch.full((rows, width), float("nan"), dtype=dtype)
+            assert lc._rowwise_triton(2, b, g, c, out=out)[count:].isnan().all()
             pairs = [(lc._rowwise_triton(0, a, b, c), lc._swiglu_torch(a, b, c)),
                      (lc._rowwise_triton(2, a, b, c), lc._add_rows_torch(a, b, c)),
                      *zip(lc._rowwise_triton(1, a, b, c, g), lc._swiglu_backward_torch(g, a, b, c))]

@@ -198,9 +198,10 @@ if triton is not None:
             tl.store(out_ptr + at, (a + b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rowwise_triton(op: int, a, b, count, grad=None):
+def _rowwise_triton(op: int, a, b, count, grad=None, out=None):
     a, b = a.contiguous(), b.contiguous()
-    out = torch.empty_like(a)
+    if out is None:  # as in _rows_below_triton
+        out = torch.empty_like(a)
     out2 = torch.empty_like(b) if op == 1 else out
     if a.numel():
         width = a.shape[1]
@@ -219,8 +220,10 @@ def _block(width: int) -> int:
     return min(1024, triton.next_power_of_2(width))
 
 
-def _rows_below_triton(src, index, scale, count):
-    out = torch.empty((index.numel(), src.shape[1]), dtype=src.dtype, device=src.device)
+def _rows_below_triton(src, index, scale, count, out=None):
+    # ``out``: where to write (its rows past count are left as they are); new by default
+    if out is None:
+        out = torch.empty((index.numel(), src.shape[1]), dtype=src.dtype, device=src.device)
     if out.numel():
         block = _block(src.shape[1])
         grid = (triton.cdiv(index.numel(), TILE_ROWS), triton.cdiv(src.shape[1], block))
