@@ -28,19 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-class _Group:
-    """A process group's size and rank: the dispatcher's local work needs no communication."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def _inputs(degree, tokens, dim, experts, top_k, dtype, device, seed):
     g = torch.Generator(device="cpu").manual_seed(seed)
     rows = degree * tokens
@@ -85,6 +72,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
     """Both implementations at one degree: times and the largest relative difference."""
+    from torchtitan_omni.distributed.comm import GroupShape
     from torchtitan_omni.distributed.expert_gather import GatherExpertParallelDispatcher
     from torchtitan_omni.modules.init import init_context
     from torchtitan_omni.modules.moe import GroupedExperts
@@ -101,8 +89,8 @@ def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
            "used": int(((ids >= 0) & (ids < local)).sum())}
     results = {}
     for name, kernels in (("torch", False), ("kernels", True)):
-        torch._dynamo.reset()  # each (degree, implementation) compiles afresh
-        dispatcher = GatherExpertParallelDispatcher(_Group(degree, 0), args.experts,
+        torch.compiler.reset()  # each (degree, implementation) compiles afresh
+        dispatcher = GatherExpertParallelDispatcher(GroupShape(degree, 0), args.experts,
                                                     args.tokens, kernels=kernels)
         local_work = dispatcher.run_local
         if not args.no_compile:

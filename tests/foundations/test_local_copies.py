@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 
+from torchtitan_omni.distributed.comm import GroupShape
 from torchtitan_omni.distributed.expert_gather import GatherExpertParallelDispatcher
 from torchtitan_omni.modules.local_copies import (
     combine_copies,
@@ -144,19 +145,6 @@ def test_swiglu_and_fork_over_the_used_rows_match_autograd(count):
     assert (grad_x[count:] == 0).all()
 
 
-class _Group:
-    """A process group's size and rank, for the dispatcher's local work (no communication)."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 @pytest.mark.parametrize("rank", [0, 3])
 def test_dispatcher_local_work_is_the_same_with_the_row_maps(rank):
     """``run_local`` of the gather dispatch at EP4 (8 experts, 2 a rank), rank 0 and 3, with
@@ -176,7 +164,7 @@ def test_dispatcher_local_work_is_the_same_with_the_row_maps(rank):
     for kernels in (True, False):
         module.zero_grad()
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        dispatcher = GatherExpertParallelDispatcher(_Group(degree, rank), experts, tokens,
+        dispatcher = GatherExpertParallelDispatcher(GroupShape(degree, rank), experts, tokens,
                                                     kernels=kernels)
         out = dispatcher.run_local(module, xi, wi, ids)
         (out * upstream).sum().backward()

@@ -36,6 +36,25 @@ from torchtitan_omni.platform import local_device
 ProcessGroup = dist.ProcessGroup
 
 
+class GroupShape:
+    """A process group's size and this rank's place in it, with no communication: what a
+    rank's local work needs (``GatherExpertParallelDispatcher.run_local``) to be timed or
+    tested alone, on one process."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} outside a group of {size}")
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        """Ranks in the group."""
+        return self._size
+
+    def rank(self) -> int:
+        """This rank's index in the group."""
+        return self._rank
+
+
 # ----------------------------------------------------------------- even all-to-all (Ulysses)
 def _pack(x: torch.Tensor, scatter_dim: int, world: int) -> torch.Tensor:
     """``x`` -> ``[world, *x.shape]`` with ``scatter_dim`` divided: chunk ``j`` goes to rank
