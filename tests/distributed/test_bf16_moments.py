@@ -203,6 +203,22 @@ def test_bf16_moments_need_the_compiled_update():
         opt.keep_moments_in(torch.float16)
 
 
+def test_bf16_moments_of_a_tensor_the_compiled_kernel_cannot_take_are_refused():
+    """A parameter large enough for bf16 moments whose update does not fit the compiled kernel
+    (not contiguous: a transposed view) would go to torch's fused kernel, which keeps moments
+    in the parameter's dtype: the step raises, naming the shape, instead of mixing dtypes."""
+    param = torch.nn.Parameter(torch.randn(8, MIN_NUMEL).t())
+    assert not param.is_contiguous()
+    opt = LocalShardAdamW([param], lr=0.01, fused=True)
+    opt.compile_updates(min_numel=MIN_NUMEL)
+    opt.keep_moments_in(BF16)
+    param.grad = torch.randn_like(param)
+    with pytest.raises(RuntimeError, match=r"moments are in torch.bfloat16 but its update does "
+                                           r"not fit the compiled kernel \(shape \(%d, 8\)"
+                                           % MIN_NUMEL):
+        opt.step()
+
+
 def test_checkpoints_move_between_moment_dtypes():
     """torch's ``load_state_dict`` casts moments to their parameter's dtype: an optimizer
     keeping bf16 moments casts them back (a float32 checkpoint's rounded to nearest, a bf16
