@@ -11,7 +11,7 @@ and pass. This dispatcher sends no routed rows at all:
 2. each rank picks, among all those tokens' ``k`` choices, the copies its own experts hold,
    sorts them by local expert on the device, and runs its experts over them (grouped GEMM
    whose group sizes are device values: rows past the last group belong to no expert and are
-   masked out, forward and backward);
+   never read, forward and backward);
 3. it puts the outputs back in (token, choice) order and sums each gathered token's copies
    weighed by their router weights (the copies of other ranks' experts count zero): one
    partial output per token of the group;
