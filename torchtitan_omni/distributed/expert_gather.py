@@ -45,6 +45,7 @@ from torchtitan_omni.compat import all_gather_traceable, reduce_scatter_traceabl
 from torchtitan_omni.distributed.comm import ProcessGroup
 from torchtitan_omni.modules.local_copies import combine_copies, gather_copies
 from torchtitan_omni.modules.moe import combine, gather_sorted, sort_by_expert
+from torchtitan_omni.modules.row_maps import inverse_permutation
 
 
 class GatherExpertParallelDispatcher:
@@ -118,9 +119,7 @@ class GatherExpertParallelDispatcher:
             count = counts_local.sum()
         if self.kernels:
             with torch.no_grad():
-                inverse = torch.empty_like(order)
-                inverse[order] = torch.arange(order.numel(), device=order.device,
-                                              dtype=order.dtype)
+                inverse = inverse_permutation(order)
             # rows past `count` are neither written nor read (grouped GEMM ignores them)
             y = experts(gather_copies(x_all, order, inverse, count, k), counts_local,
                         used_rows=count)

@@ -61,6 +61,7 @@ from torchtitan_omni.distributed.comm import (
     ProcessGroup, all_to_all_blocks_launch, all_to_all_blocks_wait,
 )
 from torchtitan_omni.modules.moe_capacity import padded_gather, slot_layout
+from torchtitan_omni.modules.row_maps import inverse_permutation
 
 
 def chunk_widths(cap: int, chunks: int) -> list[int]:
@@ -120,8 +121,7 @@ class ChunkedExchange:
         order = chunk_major_order(self.num_experts, cap, widths, counts.device)
         # position of every old slot in the chunk-major order; the extra entry keeps the
         # "dropped" marker (total) of the copies without a slot
-        position = torch.empty_like(order)
-        position[order] = torch.arange(total, device=order.device)
+        position = inverse_permutation(order)
         position = torch.cat([position, position.new_full((1,), total)])
         src, dst = layout.src.index_select(0, order), position.index_select(0, layout.dst)
         slots = padded_gather(x, src, dst)

@@ -64,7 +64,7 @@ from torchtitan_omni.distributed.expert_overlap import ChunkedExchange
 from torchtitan_omni.distributed.expert_tokens import TokenExchange, check_header_fits
 from torchtitan_omni.distributed.recompute_tape import recorded_or_replayed
 from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
-from torchtitan_omni.modules.row_maps import permute_rows
+from torchtitan_omni.modules.row_maps import inverse_permutation, permute_rows
 
 
 def _expert_major_order(recv: torch.Tensor, total: int) -> torch.Tensor:
@@ -83,12 +83,6 @@ def _expert_major_order(recv: torch.Tensor, total: int) -> torch.Tensor:
         block_sizes.cumsum(0) - block_sizes, block_sizes, output_size=total
     )
     return begin + offset_in_block
-
-
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
 
 
 class ExpertParallelDispatcher:
@@ -120,7 +114,7 @@ class ExpertParallelDispatcher:
         received = all_to_all_v(x, out_splits, in_splits, self.group)
         total = sum(out_splits)
         perm = _expert_major_order(recv, total)
-        inverse = _inverse(perm)
+        inverse = inverse_permutation(perm)
         grouped = permute_rows(received, perm, inverse)
         return grouped, recv.sum(0), (perm, inverse, in_splits, out_splits)
 

@@ -74,7 +74,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_omni.compat import grouped_mm
 from torchtitan_omni.modules import init
 from torchtitan_omni.modules.local_copies import fork_rows, swiglu_rows
-from torchtitan_omni.modules.row_maps import permute_rows, spread_rows
+from torchtitan_omni.modules.row_maps import inverse_permutation, permute_rows, spread_rows
 from torchtitan_omni.modules.segment_mm import segment_mm
 
 
@@ -338,8 +338,7 @@ def combine(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     copies once, fused into one kernel when compiled. Autograd keeps the outputs and weights,
     not the float32 products."""
     n, k = weights.shape
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    inverse = inverse_permutation(order)
     per_token = permute_rows(out_sorted, inverse, order).view(n, k, out_sorted.shape[-1])
     # float32 weights promote the product: exact, as bf16 times bf16 fits float32's mantissa
     scale = weights.to(per_token.dtype).to(torch.promote_types(per_token.dtype, torch.float32))

@@ -26,6 +26,14 @@ class _PermuteRows(Function):
         return grad.index_select(0, inverse), None, None
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inverse`` with ``inverse[perm] = arange``: where each position of a permutation went
+    (one placement on the device, no sort)."""
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
+    return inverse
+
+
 def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``x[perm]`` for a permutation ``perm`` of ``x``'s rows, whose backward is
     ``grad[inverse]`` (``inverse[perm] = arange``)."""
