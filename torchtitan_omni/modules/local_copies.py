@@ -165,8 +165,8 @@ if triton is not None:
             pos = tl.load(pos_ptr + token * TOP_K + j)
             limit = tl.where(pos < count, width, 0)  # a slot past count reads nothing
             total = tl.zeros([BLOCK], dtype=tl.float32)
-            for b in range(BLOCKS):  # a constant bound: Triton 3.6's interpreter wants one
-                cols = b * BLOCK + tl.arange(0, BLOCK)
+            for block in range(BLOCKS):  # a constant bound: Triton 3.6's interpreter wants one
+                cols = block * BLOCK + tl.arange(0, BLOCK)
                 mask = cols < limit
                 a = tl.load(src_ptr + pos.to(tl.int64) * width + cols, mask=mask, other=0.0)
                 b = tl.load(other_ptr + token.to(tl.int64) * width + cols, mask=mask, other=0.0)
