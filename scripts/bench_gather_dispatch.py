@@ -11,21 +11,22 @@ runs (the gathered tokens are made on this GPU), so one GPU times an EP4 or EP8 
     python3 scripts/bench_gather_dispatch.py --smoke          # CPU check of the script
 
 Prints one markdown row per degree: the rows used, the forward and the forward + backward in
-ms for each implementation (the median of ``--iters`` timed iterations), the ratio, and the
+ms for each implementation (the median device time of ``--iters`` timed iterations,
+``bench_attention.time_passes``), the ratio, and the
 largest relative difference of the output and gradients between the two.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling scripts
+from bench_attention import time_passes  # the benchmarks' one timer
 
 
 def _inputs(degree, tokens, dim, experts, top_k, dtype, device, seed):
@@ -38,19 +39,6 @@ def _inputs(degree, tokens, dim, experts, top_k, dtype, device, seed):
     upstream = torch.randn(rows, dim, generator=g)
     return (x.to(device, dtype), (weights / weights.sum(-1, keepdim=True)).to(device, dtype),
             ids.to(device), upstream.to(device, dtype))
-
-
-def _time(fn, iters: int, warmup: int, sync) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def _top_kernels(fn, device: torch.device, top: int = 12) -> str:
@@ -84,7 +72,6 @@ def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
     module = module.to(device, dtype)
     x, w, ids, upstream = _inputs(degree, args.tokens, args.dim, args.experts, args.top_k,
                                   dtype, device, seed=degree)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     row = {"degree": degree, "buffer": degree * args.tokens * args.top_k,
            "used": int(((ids >= 0) & (ids < local)).sum())}
     results = {}
@@ -108,8 +95,9 @@ def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
             out.backward(upstream)
             return out
 
-        row[f"{name} fwd"] = _time(forward, args.iters, args.warmup, sync)
-        row[f"{name} fwd+bwd"] = _time(both, args.iters, args.warmup, sync)
+        cuda = device.type == "cuda"
+        row[f"{name} fwd"] = time_passes(forward, args.iters, args.warmup, cuda)[0]
+        row[f"{name} fwd+bwd"] = time_passes(both, args.iters, args.warmup, cuda)[0]
         if args.profile:
             row[f"{name} kernels"] = _top_kernels(both, device)
         out = both()
