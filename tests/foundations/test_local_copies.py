@@ -145,6 +145,14 @@ def test_swiglu_and_fork_over_the_used_rows_match_autograd(count):
     assert (grad_x[count:] == 0).all()
 
 
+def test_used_rows_are_refused_for_padded_groups_and_group_shape_checks_its_rank():
+    experts = GroupedExperts(DIM, 4, 2).double()
+    with pytest.raises(ValueError, match="used_rows is for exact groups"):
+        experts(torch.zeros(2, 3, DIM, dtype=torch.float64), None, used_rows=torch.tensor(1))
+    with pytest.raises(ValueError, match="rank 4 outside a group of 4"):
+        GroupShape(4, 4)
+
+
 @pytest.mark.parametrize("rank", [0, 3])
 def test_dispatcher_local_work_is_the_same_with_the_row_maps(rank):
     """``run_local`` of the gather dispatch at EP4 (8 experts, 2 a rank), rank 0 and 3, with

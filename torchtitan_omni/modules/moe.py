@@ -224,8 +224,11 @@ class GroupedExperts(nn.Module):
         ):
             # Without FSDP's mixed precision, TorchTitan autocasts; grouped_mm does not.
             dtype = torch.bfloat16
+        if used_rows is not None and counts is None:
+            raise ValueError("GroupedExperts: used_rows is for exact groups (counts given); "
+                             "padded groups have no rows past them")
         groups = ExpertGroups(counts, dtype)
-        if used_rows is not None and counts is not None:
+        if used_rows is not None:
             x_gate, x_up = fork_rows(x, used_rows)
             h = swiglu_rows(self.project(x_gate, "w1", groups), self.project(x_up, "w3", groups),
                             used_rows)
