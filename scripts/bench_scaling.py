@@ -297,6 +297,20 @@ def with_bf16_moments(point: Point) -> Point:
     return dataclasses.replace(point, name=f"{point.name}_m16", args=point.args + BF16_MOMENTS)
 
 
+#: the experts' weights stored in bf16, updated in float32 and rounded stochastically
+BF16_EXPERT_WEIGHTS = ("--optimizer.expert_weights_dtype", "bfloat16")
+
+
+def with_bf16_expert_weights(point: Point) -> Point:
+    """A MoE point with the optimizer's update compiled whose experts store their weights in
+    bf16 (``optimizer.expert_weights_dtype``: components/expert_weights.py); no compute
+    copies (nothing left to copy)."""
+    if not point.compile_components.endswith("optimizer") or "_cc" in point.name:
+        raise ValueError(f"point {point.name}: needs the compiled update and no compute copies")
+    return dataclasses.replace(point, name=f"{point.name}_w16",
+                               args=point.args + BF16_EXPERT_WEIGHTS)
+
+
 def omni_1gpu(layers: int = 16) -> list[Point]:
     """One GPU, the 8B layer shape cut to ``layers`` LLM layers (full vision tower): stock
     TorchTitan, omni text-only, realistic and toy at 8K; then each compiled; the realistic
@@ -747,7 +761,8 @@ def moe_1gpu() -> list[Point]:
     (issue 12: the EP4 pair's is 0.079 s compiled, 22.9% of its 8K step); last the realistic
     media rows at 8K, compiled; then the compiled points with the optimizer's update compiled
     too, those with the experts reading the bf16 copies the optimizer keeps, and those with
-    the moments in bf16 too (``_m16``)."""
+    the moments in bf16 too (``_m16``); last the compiled-update points with the experts'
+    weights and the moments in bf16 (``_opt_w16_m16``), without compute copies."""
     cut = _layers(12) + FULL + _ep(1) + OMNI_FLAVORS + ("--model.flavor", "30B-A3B_ep4_rank")
     points = [Point(f"moe_30B-A3B-ep4rank_12L_{seq // 1024}k_1gpu_text_exact", MOE, 1, seq, cut,
                     workload="text", estimate_s=60) for seq in (8192, 16384)]
@@ -756,7 +771,9 @@ def moe_1gpu() -> list[Point]:
     media = [compiled(p, 60) for p in points] + [compiled(realistic, 70)]
     optimizer = [with_compiled_optimizer(p) for p in media]
     copies = [with_compute_copies(p) for p in optimizer]
-    return points + media + optimizer + copies + [with_bf16_moments(p) for p in copies]
+    bf16_weights = [with_bf16_moments(with_bf16_expert_weights(p)) for p in optimizer]
+    return (points + media + optimizer + copies + [with_bf16_moments(p) for p in copies]
+            + bf16_weights)
 
 
 def moe_dispatch(ngpu: int) -> list[Point]:

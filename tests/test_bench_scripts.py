@@ -650,19 +650,28 @@ def test_ep4_rank_flavor_of_the_moe_and_its_one_gpu_points():
     assert rank.vision == full.vision and rank.audio == full.audio
     bench = _script("bench_scaling")
     points = bench.PLANS["moe_1gpu"]
-    optimizer = ("_opt", "_opt_cc", "_opt_cc_m16")
+    optimizer = ("_opt", "_opt_cc", "_opt_cc_m16", "_opt_w16_m16")
     assert sorted((p.seq_len, p.compile, p.workload, p.name.endswith(optimizer),
-                   p.name.endswith(("_cc", "_cc_m16")), p.name.endswith("_m16"))
+                   p.name.endswith(("_cc", "_cc_m16")), p.name.endswith("_m16"),
+                   p.name.endswith("_w16_m16"))
                   for p in points) == [
-        (8192, False, "text", False, False, False),
-        (8192, True, "realistic", False, False, False),
-        (8192, True, "realistic", True, False, False),
-        (8192, True, "realistic", True, True, False), (8192, True, "realistic", True, True, True),
-        (8192, True, "text", False, False, False), (8192, True, "text", True, False, False),
-        (8192, True, "text", True, True, False), (8192, True, "text", True, True, True),
-        (16384, False, "text", False, False, False), (16384, True, "text", False, False, False),
-        (16384, True, "text", True, False, False), (16384, True, "text", True, True, False),
-        (16384, True, "text", True, True, True)]
+        (8192, False, "text", False, False, False, False),
+        (8192, True, "realistic", False, False, False, False),
+        (8192, True, "realistic", True, False, False, False),
+        (8192, True, "realistic", True, False, True, True),
+        (8192, True, "realistic", True, True, False, False),
+        (8192, True, "realistic", True, True, True, False),
+        (8192, True, "text", False, False, False, False),
+        (8192, True, "text", True, False, False, False),
+        (8192, True, "text", True, False, True, True),
+        (8192, True, "text", True, True, False, False),
+        (8192, True, "text", True, True, True, False),
+        (16384, False, "text", False, False, False, False),
+        (16384, True, "text", False, False, False, False),
+        (16384, True, "text", True, False, False, False),
+        (16384, True, "text", True, False, True, True),
+        (16384, True, "text", True, True, False, False),
+        (16384, True, "text", True, True, True, False)]
     for p in points:
         cmd = p.command()
         components = cmd[cmd.index("--compile.components") + 1] if p.compile else None
@@ -671,6 +680,7 @@ def test_ep4_rank_flavor_of_the_moe_and_its_one_gpu_points():
         assert ("--parallelism.expert_compute_copies" in cmd) == p.name.endswith(
             ("_cc", "_cc_m16"))
         assert ("--optimizer.moments_dtype" in cmd) == p.name.endswith("_m16"), p.name
+        assert ("--optimizer.expert_weights_dtype" in cmd) == ("_w16" in p.name), p.name
         assert cmd[cmd.index("--model.flavor") + 1] == flavors.EP4_RANK, p.name
         assert cmd[cmd.index("--experimental.custom_import") + 1] == "scripts.omni_flavors"
         assert p.ngpu == 1 and bench.titan_flops_per_token(p) > 0

@@ -184,6 +184,12 @@ VALUE_CASES = [
      "compile.components has 'optimizer', which compiles the fused implementation's update"),
     (("--optimizer.moments_dtype", "bfloat16", "--compile.enable"),
      "optimizer.moments_dtype 'bfloat16' needs the optimizer's compiled update"),
+    (("--optimizer.expert_weights_dtype", "bfloat16", "--compile.enable"),
+     "optimizer.expert_weights_dtype 'bfloat16' needs the optimizer's compiled update"),
+    (("--optimizer.expert_weights_dtype", "bfloat16", "--compile.enable", "--compile.components",
+      "model,optimizer", "--optimizer.implementation", "fused",
+      "--parallelism.expert_compute_copies"),
+     "optimizer.expert_weights_dtype 'bfloat16' leaves the experts nothing to copy"),
     (("--model.converters", "mx"), "model.converters has 'mx'"),
     (("--model.converters", "float8"), "float8 needs a CUDA GPU, but this job runs on CPU"),
     (("--model.converters", "quantize.linear.float8"),
@@ -219,6 +225,8 @@ def test_values_that_work_pass():
            "--optimizer.implementation", "fused")
     _parse("--compile.enable", "--compile.components", "model,optimizer",
            "--optimizer.implementation", "fused", "--optimizer.moments_dtype", "bfloat16")
+    _parse("--compile.enable", "--compile.components", "model,optimizer",
+           "--optimizer.implementation", "fused", "--optimizer.expert_weights_dtype", "bfloat16")
     _parse("--checkpoint.enable", "--checkpoint.load_step", "10")
 
 

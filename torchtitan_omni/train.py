@@ -58,6 +58,7 @@ from torchtitan_omni.components.deferred_read import DeferredRead
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS, LogWindow
 from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
 from torchtitan_omni.components.compute_copies import ComputeCopies, keep_expert_compute_copies
+from torchtitan_omni.components.expert_weights import store_expert_weights_in
 from torchtitan_omni.components.optimizer import (
     clip_gradients_,
     compile_optimizer_updates,
@@ -163,6 +164,8 @@ class OmniTrainer(Trainer):
         self._copies_to_refresh: ComputeCopies | None = None
         if job_config.parallelism.expert_compute_copies and self.encoder_server is None:
             self._keep_compute_copies()
+        if job_config.optimizer.expert_weights_dtype != "float32" and self.encoder_server is None:
+            self._store_expert_weights(getattr(torch, job_config.optimizer.expert_weights_dtype))
         logger.info(output_locations(job_config))
         if not is_cpu():  # run_train.sh's default; torchrun without it gets the driver's
             queues = os.environ.get("CUDA_SCALE_LAUNCH_QUEUES") or "the driver's default"
@@ -194,6 +197,18 @@ class OmniTrainer(Trainer):
         logger.info(f"Experts read {copies.numel / 1e6:,.1f}M elements of compute copies "
                     "that the optimizer keeps (parallelism.expert_compute_copies); their "
                     f"gradients go to {where}")
+
+    def _store_expert_weights(self, dtype: torch.dtype) -> None:
+        # before any checkpoint or weights load (train()), which then fill the stored dtype
+        autocast = getattr(self.maybe_enable_amp, "fast_dtype", None)
+        try:
+            numel = store_expert_weights_in(self.model_parts, autocast, dtype)
+        except ValueError as e:
+            raise ConfigError(f"optimizer.expert_weights_dtype {str(dtype).split('.')[-1]!r}: "
+                              f"{e}; leave it float32") from None
+        logger.info(f"Experts store and train {numel / 1e6:,.1f}M weight elements in {dtype} "
+                    "(optimizer.expert_weights_dtype): the compiled update rounds them "
+                    "stochastically")
 
     def init_distributed(self) -> OmniParallelDims:
         cfg = self.job_config

@@ -21,6 +21,12 @@ instead of 28 with a bf16 gradient and compute copy) and 4 fewer to hold. Roundi
 would not do: with ``beta2 = 0.999`` a step changes the second moment by 0.1%, under half of
 bfloat16's spacing (0.4%), so a decaying moment would never move; stochastic rounding keeps
 each stored moment's expectation equal to its exact value.
+
+The parameter itself may be in bfloat16 (``optimizer.expert_weights_dtype``, the MoE experts'
+weights): the kernel reads it in float32, computes the update there and stores the new
+weight rounded stochastically, with bits of its own (another seed than the moments'). 14
+bytes a parameter to move with bf16 moments and gradient, against 20 for a float32 weight
+with its bf16 compute copy.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ COMPILED_DTYPES = (torch.float32, torch.float64)
 
 #: moments' dtypes the compiled kernel keeps for float32 parameters besides float32
 LOW_PRECISION_MOMENTS = (torch.bfloat16,)
+
+#: parameters' dtypes the compiled kernel updates in float32 and stores rounded
+#: stochastically (their moments in float32 or a dtype of :data:`LOW_PRECISION_MOMENTS`)
+LOW_PRECISION_WEIGHTS = (torch.bfloat16,)
 
 
 #: murmur3's 32-bit finalizer constants as int32 (the products wrap, as its uint32 ones do),
@@ -99,7 +109,12 @@ def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     it exactly. ``compute_copy``: a lower-precision copy of ``param`` set to the updated
     value's cast, or None. ``exp_avg`` and ``exp_avg_sq`` may be in a dtype of
     :data:`LOW_PRECISION_MOMENTS` (float32 ``param``): read in float32, stored rounded
+    stochastically. ``param`` may be in a dtype of :data:`LOW_PRECISION_WEIGHTS` (with a
+    gradient in that dtype and no compute copy): updated in float32, stored rounded
     stochastically."""
+    stored_param = param
+    if param.dtype in LOW_PRECISION_WEIGHTS:  # computed in float32, stored rounded below
+        param = param.to(torch.float32)
     g = grad.to(param.dtype)
     if coef is not None:
         g = g * coef
@@ -123,10 +138,15 @@ def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     param.sub_(exp_avg / denom * (lr / bias_correction1))
     if compute_copy is not None:
         compute_copy.copy_(param)
+    seed = step.to(torch.int32)
     if low_precision:
-        noises = rounding_noise(param, step.to(torch.int32))
+        noises = rounding_noise(param, seed)
         for low, exact, noise in zip(stored, (exp_avg, exp_avg_sq), noises):
             low.copy_(round_stochastically(exact, low.dtype, noise))
+    if stored_param is not param:
+        # bits of their own: the negated step seeds a hash the moments' positive steps never do
+        noise, _ = rounding_noise(param, -seed)
+        stored_param.copy_(round_stochastically(param, stored_param.dtype, noise))
 
 
 _compiled: dict[str, Callable[..., None]] = {}
@@ -147,12 +167,20 @@ def compiles(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
              compute_copy: torch.Tensor | None = None) -> bool:
     """Whether a tensor's update goes to the compiled kernel: float32 or float64, at least
     ``min_numel`` elements unless its moments are in a lower precision (only this kernel
-    keeps those), the parameter, gradient and moments alike in shape and device, each
-    contiguous (one graph serves them all), and in dtype but for the moments' lower precision
-    and the compute copy's, which the gradient may have too."""
-    if param.dtype not in COMPILED_DTYPES or exp_avg.dtype != exp_avg_sq.dtype:
+    keeps those); or a parameter in a dtype of :data:`LOW_PRECISION_WEIGHTS`, of any size
+    (only this kernel rounds it stochastically), with no compute copy. The parameter,
+    gradient and moments alike in shape and device, each contiguous (one graph serves them
+    all), and in dtype but for the moments' lower precision and the compute copy's, which the
+    gradient may have too."""
+    if exp_avg.dtype != exp_avg_sq.dtype:
         return False
-    if exp_avg.dtype == param.dtype:
+    if param.dtype in LOW_PRECISION_WEIGHTS:  # any size: torch's kernels round to nearest
+        if compute_copy is not None or exp_avg.dtype not in (torch.float32,
+                                                             *LOW_PRECISION_MOMENTS):
+            return False
+    elif param.dtype not in COMPILED_DTYPES:
+        return False
+    elif exp_avg.dtype == param.dtype:
         if param.numel() < min_numel:
             return False
     elif param.dtype != torch.float32 or exp_avg.dtype not in LOW_PRECISION_MOMENTS:

@@ -33,7 +33,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
-from torchtitan_omni.modules.moe import EXPERT_WEIGHTS, GroupedExperts, _local
+from torchtitan_omni.components.expert_weights import self_casting_experts
+from torchtitan_omni.modules.moe import EXPERT_WEIGHTS, _local
 
 
 class ComputeCopies:
@@ -61,30 +62,26 @@ class ComputeCopies:
 def keep_expert_compute_copies(model_parts: Iterable[nn.Module],
                                autocast_dtype: torch.dtype | None,
                                gradients: bool = False) -> ComputeCopies:
-    """A compute copy for each weight of every ``GroupedExperts`` that casts its own weights:
-    those with a ``compute_dtype`` (outside FSDP), or, with FSDP off, under an autocast to
-    ``autocast_dtype``; none where the weights already are in that dtype. With ``gradients``,
+    """A compute copy for each weight of every ``GroupedExperts`` that casts its own weights
+    (``components.expert_weights.self_casting_experts``: outside FSDP, or, with FSDP off,
+    under an autocast to ``autocast_dtype``); none where the weights already are in that
+    dtype. With ``gradients``,
     the copy of each trained weight takes its gradient (see the module docstring). The copies
     are uninitialized until :meth:`ComputeCopies.refresh`."""
     copies: dict[torch.Tensor, torch.Tensor] = {}
-    for model in model_parts:
-        for name, module in model.named_modules():
-            if not isinstance(module, GroupedExperts):
-                continue
-            dtype = module.compute_dtype or autocast_dtype
-            if dtype is None or _local(module.w1).dtype == dtype:
-                continue
-            module.compute_dtype = dtype  # what the autocast branch of its forward picks
-            for which in EXPERT_WEIGHTS:
-                param = getattr(module, which)
-                copy = torch.empty_like(_local(param), dtype=dtype,
-                                        memory_format=torch.contiguous_format)
-                if gradients and param.requires_grad:
-                    copy.requires_grad_(True)
-                    copy.register_hook(
-                        _one_gradient_a_step(copy, f"{name}.{which}" if name else which))
-                module.keep_compute_copy(which, copy)
-                copies[param] = copy
+    for name, module, dtype in self_casting_experts(model_parts, autocast_dtype):
+        if _local(module.w1).dtype == dtype:
+            continue
+        for which in EXPERT_WEIGHTS:
+            param = getattr(module, which)
+            copy = torch.empty_like(_local(param), dtype=dtype,
+                                    memory_format=torch.contiguous_format)
+            if gradients and param.requires_grad:
+                copy.requires_grad_(True)
+                copy.register_hook(
+                    _one_gradient_a_step(copy, f"{name}.{which}" if name else which))
+            module.keep_compute_copy(which, copy)
+            copies[param] = copy
     return ComputeCopies(copies)
 
 

@@ -42,6 +42,7 @@ from torchtitan.components.optimizer import OptimizersContainer, build_optimizer
 from torchtitan_omni.components.adam_update import (
     COMPILED_MIN_NUMEL,
     LOW_PRECISION_MOMENTS,
+    LOW_PRECISION_WEIGHTS,
     compiled_adam_update,
     compiles,
 )
@@ -118,6 +119,9 @@ class _LocalShardStep:
     def _moments_dtype_of(self, p: torch.Tensor) -> torch.dtype:
         # a global decision (p.numel() of a DTensor counts every shard): a parameter's
         # moments are one dtype on every rank, as a checkpoint holds them
+        if self._compiled_min_numel is not None and p.dtype in LOW_PRECISION_WEIGHTS:
+            # the compiled kernel updates these weights in float32 (any size)
+            return self._moments_dtype or torch.float32
         if (self._moments_dtype is not None and p.dtype == torch.float32
                 and self._compiled_min_numel is not None
                 and p.numel() >= self._compiled_min_numel):
@@ -133,9 +137,20 @@ class _LocalShardStep:
                     state[key] = state[key].to(dtype)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's ``load_state_dict``, the moments then cast to the dtype
-        :meth:`keep_moments_in` keeps them in."""
+        """torch's ``load_state_dict``, the moments then cast to the dtype they are kept in
+        (:meth:`keep_moments_in`; float32 for the compiled kernel's bf16 weights). torch casts
+        every floating state tensor to its parameter's dtype, which would round float32
+        moments of a bf16 weight: those are taken from ``state_dict`` as saved."""
+        saved = {}
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"]):
+            for p, index in zip(group["params"], saved_group["params"]):
+                if p.dtype in LOW_PRECISION_WEIGHTS and index in state_dict["state"]:
+                    saved[p] = state_dict["state"][index]
         super().load_state_dict(state_dict)  # type: ignore[misc]  # torch's Optimizer
+        for p, state in saved.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    self.state[p][key] = state[key].to(device=p.device)
         self._cast_moments()
 
     def keep_compute_copies(self, copies: Mapping[torch.Tensor, torch.Tensor]) -> None:
@@ -252,11 +267,13 @@ class _LocalShardStep:
         chosen = [compiles(p, g, m, v, self._compiled_min_numel, c)
                   for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, copies)]
         for p, g, m, took in zip(params, grads, exp_avgs, chosen):
-            if m.dtype != p.dtype and not took:  # torch's kernels keep a parameter's dtype
+            # torch's kernels keep a parameter's dtype and round a bf16 one to nearest
+            if (m.dtype != p.dtype or p.dtype in LOW_PRECISION_WEIGHTS) and not took:
                 raise RuntimeError(
-                    f"{type(self).__name__}: a parameter's moments are in {m.dtype} but its "
-                    f"update does not fit the compiled kernel (shape {tuple(p.shape)}, "
-                    f"gradient {g.dtype}, contiguous {p.is_contiguous()}/{g.is_contiguous()})")
+                    f"{type(self).__name__}: a {p.dtype} parameter's moments are in {m.dtype} "
+                    f"but its update does not fit the compiled kernel (shape "
+                    f"{tuple(p.shape)}, gradient {g.dtype}, contiguous "
+                    f"{p.is_contiguous()}/{g.is_contiguous()})")
         if not any(chosen):
             return lists
         big = [[t for t, c in zip(lst, chosen) if c] for lst in lists]

@@ -149,7 +149,8 @@ class Parallelism:
 
 @dataclass
 class Optimizer:
-    """TorchTitan's ``[optimizer]`` plus the dtype of Adam's moments."""
+    """TorchTitan's ``[optimizer]`` plus the dtypes of Adam's moments and of the experts'
+    weights."""
 
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
     """The dtype of AdamW's first and second moments for the float32 parameters of at least
@@ -160,6 +161,20 @@ class Optimizer:
     nearest would freeze a second moment that changes by less than half of bfloat16's spacing
     a step, as with beta2 0.999). Needs compile.components with "optimizer". A checkpoint's
     moments load in either dtype. Not bit for bit the float32 run. See
+    docs/parallelism.md."""
+
+    expert_weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the MoE experts' weights are stored and trained in where they cast their own
+    weights to the compute dtype (expert parallel over every data rank with every LLM block
+    checkpointed, or no FSDP under a bf16 autocast). "bfloat16": the projections read the
+    weights as they are (no cast, no compute copy), their gradients are bf16, and the
+    compiled update computes each new weight in float32 and stores it rounded stochastically
+    (so its expectation is the exact update; rounding to nearest would drop every update
+    smaller than half of bfloat16's spacing). 6 bytes an expert parameter fewer for the update
+    to move than float32 weights with compute copies, and 4 fewer to hold (no float32 weight,
+    no copy). The moments stay in moments_dtype. Needs compile.components with "optimizer";
+    not with parallelism.expert_compute_copies (nothing left to copy). A checkpoint's expert
+    weights load in either dtype. Not bit for bit the float32 run. See
     docs/parallelism.md."""
 
 

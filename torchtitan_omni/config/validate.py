@@ -165,12 +165,22 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             raise ConfigError(
                 "parallelism.expert_ac_keep_exchanges needs activation_checkpoint.mode full or "
                 "selective (without a recompute there is no exchange to spare)")
-    if cfg.optimizer.moments_dtype != "float32" and not (
-            cfg.compile.enable and "optimizer" in cfg.compile.components):
+    compiled_update = cfg.compile.enable and "optimizer" in cfg.compile.components
+    if cfg.optimizer.moments_dtype != "float32" and not compiled_update:
         raise ConfigError(
             f"optimizer.moments_dtype {cfg.optimizer.moments_dtype!r} needs the optimizer's "
             "compiled update, which keeps them: set --compile.enable and add 'optimizer' to "
             "compile.components")
+    if cfg.optimizer.expert_weights_dtype != "float32":
+        if not compiled_update:
+            raise ConfigError(
+                f"optimizer.expert_weights_dtype {cfg.optimizer.expert_weights_dtype!r} needs "
+                "the optimizer's compiled update, which rounds the new weights stochastically: "
+                "set --compile.enable and add 'optimizer' to compile.components")
+        if cfg.parallelism.expert_compute_copies:
+            raise ConfigError(
+                f"optimizer.expert_weights_dtype {cfg.optimizer.expert_weights_dtype!r} leaves "
+                "the experts nothing to copy: drop parallelism.expert_compute_copies")
     if cfg.omni.float8_encoders and (problem := needs_float8(True, cfg, None)):
         raise ConfigError(f"omni.float8_encoders {problem}")
     if cfg.omni.float8_encoders and cfg.quantize.linear.float8.recipe_name:
