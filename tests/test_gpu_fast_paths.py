@@ -513,7 +513,8 @@ def test_bf16_expert_weights_on_cuda():
     bfloat16's spacing each from weights of 1 move the bf16 weights on average as far as the
     float32 weights (within 2%; rounding to nearest would not move them); experts converted
     in place run grouped GEMM forward and backward on their bf16 weights, get bf16
-    gradients, and the compiled update takes every one of them."""
+    gradients, and the compiled update takes every one of them; a conversion after
+    something took the weights' tensors (a state dict) is refused."""
     from torchtitan_omni.components.expert_weights import store_expert_weights_in
     from torchtitan_omni.components.optimizer import LocalShardAdamW
     from torchtitan_omni.modules.moe import GroupedExperts
@@ -551,6 +552,13 @@ def test_bf16_expert_weights_on_cuda():
     assert opt.compiled_numel == 3 * 4 * 256 * 128
     assert all(p.dtype == torch.bfloat16 and not torch.equal(p, b)
                for p, b in zip(experts.parameters(), before))
+    # a tensor of the old weights held elsewhere (a state dict taken before) is refused
+    held = GroupedExperts(256, 128, 4).cuda()
+    held.compute_dtype = torch.bfloat16
+    state = held.state_dict()
+    with pytest.raises(RuntimeError, match="were not freed on cuda"):
+        store_expert_weights_in([held], None, torch.bfloat16)
+    assert state["w1"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])

@@ -141,6 +141,11 @@ class OmniTrainer(Trainer):
             compile_optimizer_updates(self.optimizers, job_config.compile.backend)
         if job_config.optimizer.moments_dtype != "float32":  # validated: the update compiled
             keep_moments_in(self.optimizers, getattr(torch, job_config.optimizer.moments_dtype))
+        dims: OmniParallelDims = self.parallel_dims
+        on_encoders = isinstance(dims, RankSetDims) and dims.on_encoders
+        if job_config.optimizer.expert_weights_dtype != "float32" and not on_encoders:
+            # before the checkpointer, which keeps the model's tensors from its construction
+            self._store_expert_weights(getattr(torch, job_config.optimizer.expert_weights_dtype))
         # Crash-safe, reshardable checkpoints and weights.sources (torchtitan_omni.checkpoint).
         setup_checkpointing(self)
         if is_cpu():
@@ -148,7 +153,6 @@ class OmniTrainer(Trainer):
             self.maybe_enable_amp = contextlib.nullcontext()
             if job_config.validation.enable:
                 self.validator.maybe_enable_amp = self.maybe_enable_amp
-        dims: OmniParallelDims = self.parallel_dims
         self.sp_rank = dims.get_mesh("sp").get_local_rank() if dims.sp_enabled else 0
         #: non-colocated encoders: the rank sets, and this rank's side of the exchange
         self.rank_sets: RankSets | None = None
@@ -164,8 +168,6 @@ class OmniTrainer(Trainer):
         self._copies_to_refresh: ComputeCopies | None = None
         if job_config.parallelism.expert_compute_copies and self.encoder_server is None:
             self._keep_compute_copies()
-        if job_config.optimizer.expert_weights_dtype != "float32" and self.encoder_server is None:
-            self._store_expert_weights(getattr(torch, job_config.optimizer.expert_weights_dtype))
         logger.info(output_locations(job_config))
         if not is_cpu():  # run_train.sh's default; torchrun without it gets the driver's
             queues = os.environ.get("CUDA_SCALE_LAUNCH_QUEUES") or "the driver's default"
@@ -199,8 +201,10 @@ class OmniTrainer(Trainer):
                     f"gradients go to {where}")
 
     def _store_expert_weights(self, dtype: torch.dtype) -> None:
-        # before any checkpoint or weights load (train()), which then fill the stored dtype
-        autocast = getattr(self.maybe_enable_amp, "fast_dtype", None)
+        # before any checkpoint or weights load, which then fill the stored dtype; the
+        # autocast TorchTitan runs without FSDP (none on CPU, where the experts compute in
+        # float32: see below)
+        autocast = None if is_cpu() else getattr(self.maybe_enable_amp, "fast_dtype", None)
         try:
             numel = store_expert_weights_in(self.model_parts, autocast, dtype)
         except ValueError as e:

@@ -52,8 +52,10 @@ def store_expert_weights_in(model_parts: Iterable[nn.Module],
                             autocast_dtype: torch.dtype | None, dtype: torch.dtype) -> int:
     """Store the weights of every expert that casts its own weights (:func:`self_casting_experts`)
     in ``dtype``, its compute dtype, in place: each parameter object stays the same (the
-    optimizer and the checkpointer already hold them), its values rounded to ``dtype``. Returns
-    the elements of this rank's converted weights; raises ValueError where an expert computes in
+    optimizer already holds them), its values rounded to ``dtype``. Call it before anything takes
+    the parameters' tensors (a checkpointer's cached state dict would keep the old ones): on
+    CUDA it checks that their memory was freed, and raises RuntimeError if not. Returns the
+    elements of this rank's expert weights; raises ValueError where an expert computes in
     another dtype, and when no expert casts its own weights."""
     experts = self_casting_experts(model_parts, autocast_dtype)
     if not experts:
@@ -62,16 +64,29 @@ def store_expert_weights_in(model_parts: Iterable[nn.Module],
             "every data rank with every LLM block checkpointed, or without FSDP under a "
             "lower-precision autocast): FSDP's mixed precision casts them, they compute in "
             "their weights' dtype (float32 training, CPU), or the model has none")
-    numel = 0
-    for name, module, compute_dtype in experts:
+    for name, _, compute_dtype in experts:
         if compute_dtype != dtype:
             raise ValueError(f"{name or 'experts'} compute in {compute_dtype}, not {dtype}: "
                              "their weights would be cast in every pass anyway")
-        for which in EXPERT_WEIGHTS:
-            param = getattr(module, which)
-            numel += _local(param).numel()
-            if param.dtype == dtype:
-                continue
-            stored = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-            torch.utils.swap_tensors(param, stored)
-    return numel
+    params = [getattr(module, which) for _, module, _ in experts for which in EXPERT_WEIGHTS]
+    converted = [p for p in params if p.dtype != dtype]
+    on_cuda = [p for p in converted if _local(p).is_cuda]
+    devices = {_local(p).device for p in on_cuda}
+    before = {d: torch.cuda.memory_allocated(d) for d in devices}
+    freed = dict.fromkeys(devices, 0)
+    for param in converted:
+        stored = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, stored)  # ``stored`` now holds the old values
+        if _local(param).is_cuda:
+            freed[_local(param).device] += _local(stored).nbytes - _local(param).nbytes
+        del stored
+    for device in devices:
+        # an old tensor some other object still holds (a state dict taken before) keeps its
+        # memory, and that object would go on seeing the old weights: a checkpoint saving them
+        released = before[device] - torch.cuda.memory_allocated(device)
+        if released < freed[device] - 512 * len(on_cuda):  # the allocator's 512-byte blocks
+            raise RuntimeError(
+                f"the experts' weights in their old dtype were not freed on {device}: "
+                "something took their tensors before the conversion (a model state dict?) and "
+                "would go on reading the old values; convert them before")
+    return sum(_local(p).numel() for p in params)
