@@ -698,7 +698,8 @@ def fixed_part_points(ep: int) -> list[Point]:
     group's tokens gathered (``expert_dispatch = "gather"``: no host read, fixed shapes), eager
     and compiled (each MoE layer one graph), compiled with the optimizer's update (``_opt``),
     with the experts' compute copies too (``_opt_cc``) and with the moments in bf16 too
-    (``_opt_cc_m16``)."""
+    (``_opt_cc_m16``); and with the experts' weights and the moments in bf16, without copies
+    (``_opt_w16_m16``)."""
     points = [Point(f"moe_30B-A3B_12L_{seq // 1024}k_ep{ep}_text_exact_{tag}", MOE, ep, seq,
                     _layers(12) + flags + _ep(ep), workload="text", estimate_s=80)
               for tag, flags in (("no_ac", NO_AC), ("nvshmem", FULL + NVSHMEM),
@@ -708,7 +709,8 @@ def fixed_part_points(ep: int) -> list[Point]:
     gather = [compiled(p, 70) for p in points if p.name.endswith("_gather")]
     optimizer = [with_compiled_optimizer(p) for p in gather]
     copies = [with_compute_copies(p) for p in optimizer]
-    return points + gather + optimizer + copies + [with_bf16_moments(p) for p in copies]
+    return (points + gather + optimizer + copies + [with_bf16_moments(p) for p in copies]
+            + [with_bf16_moments(with_bf16_expert_weights(p)) for p in optimizer])
 
 
 def moe_2gpu() -> list[Point]:
