@@ -51,7 +51,11 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.train import Trainer
 
-from torchtitan_omni.checkpoint import setup_checkpointing, titan_checkpointer_off
+from torchtitan_omni.checkpoint import (
+    drop_titan_checkpointer,
+    setup_checkpointing,
+    titan_checkpointer_off,
+)
 from torchtitan_omni.config.manager import parse_job_config_or_exit
 from torchtitan_omni.components.inputs import ModelInputs, model_inputs
 from torchtitan_omni.components.deferred_read import DeferredRead
@@ -144,7 +148,10 @@ class OmniTrainer(Trainer):
         dims: OmniParallelDims = self.parallel_dims
         on_encoders = isinstance(dims, RankSetDims) and dims.on_encoders
         if job_config.optimizer.expert_weights_dtype != "float32" and not on_encoders:
-            # before the checkpointer, which keeps the model's tensors from its construction
+            # before any checkpoint manager: TorchTitan's inert one and ours keep the model's
+            # state dict from their construction, which would hold (and save) the old weights
+            drop_titan_checkpointer(self)
+            gc.collect()  # should a reference cycle hold it
             self._store_expert_weights(getattr(torch, job_config.optimizer.expert_weights_dtype))
         # Crash-safe, reshardable checkpoints and weights.sources (torchtitan_omni.checkpoint).
         setup_checkpointing(self)

@@ -214,6 +214,52 @@ def test_expert_weights_are_converted_in_place():
     assert all(p.dtype == BF16 for p in params) and opt.compiled_numel == numel
 
 
+def test_expert_weights_refused_while_a_state_dict_holds_the_old_ones():
+    """A state dict taken before the conversion (TorchTitan's checkpoint model wrapper keeps
+    one from its construction) would go on holding, and saving, the float32 weights: refused,
+    naming the module and how many tensors hold them; taken after, it holds the bf16 ones."""
+    experts = _experts()
+    state = experts.state_dict()
+    with pytest.raises(RuntimeError, match=r"^experts: 3 other tensor\(s\) still hold the "
+                                           r"weights in their old dtype"):
+        store_expert_weights_in([experts], None, BF16)
+    assert state["w1"].dtype == torch.float32
+    del state
+    fresh = _experts()
+    store_expert_weights_in([fresh], None, BF16)
+    assert all(v.dtype == BF16 for v in fresh.state_dict().values())
+
+
+def test_torchtitans_inert_checkpointer_holds_the_weights_until_dropped():
+    """What the trainer relies on: the inert checkpoint manager TorchTitan's trainer builds
+    (checkpointing off) still keeps the model's state dict, so a conversion while it lives is
+    refused; once ``drop_titan_checkpointer`` lets it go, the conversion goes through."""
+    import gc
+    import types
+
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.config import Checkpoint
+
+    from torchtitan_omni.checkpoint import drop_titan_checkpointer
+
+    experts = _experts()
+    trainer = types.SimpleNamespace(checkpointer=CheckpointManager(
+        dataloader=None, model_parts=[experts], optimizers=None, lr_schedulers=None, states={},
+        checkpoint_config=Checkpoint(enable=False), sd_adapter=None))
+    with pytest.raises(RuntimeError, match="still hold the weights in their old dtype"):
+        store_expert_weights_in([experts], None, BF16)
+    drop_titan_checkpointer(trainer)
+    gc.collect()
+    assert trainer.checkpointer is None
+    experts = _experts()
+    trainer.checkpointer = CheckpointManager(
+        dataloader=None, model_parts=[experts], optimizers=None, lr_schedulers=None, states={},
+        checkpoint_config=Checkpoint(enable=False), sd_adapter=None)
+    drop_titan_checkpointer(trainer)
+    gc.collect()
+    assert store_expert_weights_in([experts], None, BF16) == 3 * EXPERTS * DIM * HIDDEN
+
+
 def test_expert_weights_refused_where_no_expert_casts_or_computes_in_another_dtype():
     with pytest.raises(ValueError, match="no MoE experts here cast their own weights"):
         store_expert_weights_in([_experts(None)], None, BF16)
@@ -244,6 +290,7 @@ def _expert_parallel_resume(rank: int, world: int, folder: str) -> dict:
         for which in EXPERT_WEIGHTS:  # the experts split over the ranks, as expert parallel
             full = getattr(experts, which).detach()
             setattr(experts, which, torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
+        del full  # the shards may be views of it: it would hold the weights being converted
         opt = LocalShardAdamW(experts.parameters(), lr=0.05, fused=True)
         opt.compile_updates(min_numel=1)
         if weights == BF16:

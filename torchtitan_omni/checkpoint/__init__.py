@@ -10,6 +10,10 @@
 See docs/checkpointing.md.
 """
 
-from torchtitan_omni.checkpoint.trainer_setup import setup_checkpointing, titan_checkpointer_off
+from torchtitan_omni.checkpoint.trainer_setup import (
+    drop_titan_checkpointer,
+    setup_checkpointing,
+    titan_checkpointer_off,
+)
 
-__all__ = ["setup_checkpointing", "titan_checkpointer_off"]
+__all__ = ["drop_titan_checkpointer", "setup_checkpointing", "titan_checkpointer_off"]

@@ -3,9 +3,12 @@
 TorchTitan 0.2.2's ``Trainer.__init__`` always builds its own ``CheckpointManager`` from
 ``job_config.checkpoint``; there is no hook for another class. :func:`titan_checkpointer_off`
 hands it a copy of ``[checkpoint]`` with ``enable`` off for that call, so what it builds is inert
-(no folder, no purge thread, no process group). :func:`setup_checkpointing` then installs the
-omni manager and loads ``weights.sources`` (unless a checkpoint will be resumed that holds every
-weight; an adapter-only LoRA checkpoint holds only what trains, so the base is loaded).
+(no folder, no purge thread, no process group), but its model wrapper still takes the model's
+state dict and keeps it: :func:`drop_titan_checkpointer` lets it go (before a change of the
+parameters' tensors, such as ``optimizer.expert_weights_dtype``'s). :func:`setup_checkpointing`
+then installs the omni manager and loads ``weights.sources`` (unless a checkpoint will be
+resumed that holds every weight; an adapter-only LoRA checkpoint holds only what trains, so the
+base is loaded).
 """
 
 from __future__ import annotations
@@ -57,11 +60,19 @@ def build_checkpoint_manager(trainer) -> OmniCheckpointManager:
     )
 
 
+def drop_titan_checkpointer(trainer) -> None:
+    """Close and drop the inert manager TorchTitan built (see the module docstring), and the
+    state dict it kept; ``trainer.checkpointer`` is None until :func:`setup_checkpointing`."""
+    if trainer.checkpointer is not None:
+        trainer.checkpointer.close()  # nothing to stop
+        trainer.checkpointer = None
+
+
 def setup_checkpointing(trainer) -> None:
     """Install the omni checkpoint manager and load the initial weights per part."""
-    manager = build_checkpoint_manager(trainer)
-    trainer.checkpointer.close()  # the inert one TorchTitan built: nothing to stop
-    trainer.checkpointer = manager
+    drop_titan_checkpointer(trainer)
+    trainer.checkpointer = build_checkpoint_manager(trainer)
+    manager = trainer.checkpointer
     sources = trainer.job_config.weights.sources
     if not sources:
         return

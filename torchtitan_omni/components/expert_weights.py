@@ -20,6 +20,7 @@ weight of 0.02, a change of 6e-5). Not bit for bit the float32 run.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 
 import torch
@@ -53,8 +54,8 @@ def store_expert_weights_in(model_parts: Iterable[nn.Module],
     """Store the weights of every expert that casts its own weights (:func:`self_casting_experts`)
     in ``dtype``, its compute dtype, in place: each parameter object stays the same (the
     optimizer already holds them), its values rounded to ``dtype``. Call it before anything takes
-    the parameters' tensors (a checkpointer's cached state dict would keep the old ones): on
-    CUDA it checks that their memory was freed, and raises RuntimeError if not. Returns the
+    the parameters' tensors (a checkpointer's cached state dict would keep the old ones): it
+    raises RuntimeError where another live tensor still holds an old weight. Returns the
     elements of this rank's expert weights; raises ValueError where an expert computes in
     another dtype, and when no expert casts its own weights."""
     experts = self_casting_experts(model_parts, autocast_dtype)
@@ -68,25 +69,39 @@ def store_expert_weights_in(model_parts: Iterable[nn.Module],
         if compute_dtype != dtype:
             raise ValueError(f"{name or 'experts'} compute in {compute_dtype}, not {dtype}: "
                              "their weights would be cast in every pass anyway")
-    params = [getattr(module, which) for _, module, _ in experts for which in EXPERT_WEIGHTS]
-    converted = [p for p in params if p.dtype != dtype]
-    devices = {_local(p).device for p in converted if _local(p).is_cuda}
-    before = {d: torch.cuda.memory_allocated(d) for d in devices}
-    freed = dict.fromkeys(devices, 0)
-    for param in converted:
-        stored = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-        torch.utils.swap_tensors(param, stored)  # ``stored`` now holds the old values
-        if _local(param).is_cuda:
-            freed[_local(param).device] += _local(stored).nbytes - _local(param).nbytes
-        del stored
-    for device in devices:
-        # an old tensor some other object still holds (a state dict taken before) keeps its
-        # memory, and that object would go on seeing the old weights: a checkpoint saving them
-        # (half: the allocator rounds block sizes; weights held elsewhere make it negative)
-        released = before[device] - torch.cuda.memory_allocated(device)
-        if released < freed[device] / 2:
+    numel = 0
+    for name, module, _ in experts:
+        # one module's weights at a time: its old tensors stay alive until the check below
+        old = []
+        for which in EXPERT_WEIGHTS:
+            param = getattr(module, which)
+            numel += _local(param).numel()
+            if param.dtype == dtype:
+                continue
+            stored = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            torch.utils.swap_tensors(param, stored)  # ``stored`` now holds the old values
+            old.append(stored)
+        if old and (held := _held_elsewhere(old)):
             raise RuntimeError(
-                f"the experts' weights in their old dtype were not freed on {device}: "
-                "something took their tensors before the conversion (a model state dict?) and "
-                "would go on reading the old values; convert them before")
-    return sum(_local(p).numel() for p in params)
+                f"{name or 'experts'}: {held} other tensor(s) still hold the weights in their "
+                "old dtype (a state dict taken before the conversion?) and would go on reading "
+                "the old values (a checkpoint saving them); convert before anything takes them")
+    return numel
+
+
+def _held_elsewhere(old: list[torch.Tensor]) -> int:
+    # live tensors on the old weights' storages besides the one each of ``old`` holds (a
+    # parameter's own tensor, or a DTensor's local shard; the wrapper has no storage): a state
+    # dict or a view taken before the conversion is one
+    storages = [_local(t).untyped_storage().data_ptr() for t in old]
+    live = {pointer for pointer in storages if pointer != 0}
+    found = 0
+    for obj in gc.get_objects():
+        # type(), not isinstance(): some module proxies warn when their class is read
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        try:
+            found += obj.untyped_storage().data_ptr() in live
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass: no storage of its own
+            continue
+    return found - sum(pointer in live for pointer in storages)
