@@ -158,6 +158,16 @@ class TrainRun:
     def loss_list(self) -> list[float]:
         return [self.losses[s] for s in sorted(self.losses)]
 
+    def refusal(self, key: str) -> str:
+        """The one-line start-up refusal naming ``key`` (the run failed, printing
+        ``torchtitan-omni: error: <key>...`` and no traceback of this project's code after it)."""
+        assert self.returncode != 0, self.output[-2000:]
+        lines = [line for line in self.output.splitlines()
+                 if f"torchtitan-omni: error: {key}" in line]
+        assert lines, self.output[-2000:]
+        assert "torchtitan_omni/" not in self.output.split("torchtitan-omni: error:")[-1]
+        return lines[0]
+
 
 def parse_losses(output: str) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
     """Per-step total and named losses from the trainer's console lines."""
