@@ -71,8 +71,8 @@ def drop_titan_checkpointer(trainer) -> None:
 def setup_checkpointing(trainer) -> None:
     """Install the omni checkpoint manager and load the initial weights per part."""
     drop_titan_checkpointer(trainer)
-    trainer.checkpointer = build_checkpoint_manager(trainer)
-    manager = trainer.checkpointer
+    manager = build_checkpoint_manager(trainer)
+    trainer.checkpointer = manager
     sources = trainer.job_config.weights.sources
     if not sources:
         return

@@ -65,9 +65,8 @@ def keep_expert_compute_copies(model_parts: Iterable[nn.Module],
     """A compute copy for each weight of every ``GroupedExperts`` that casts its own weights
     (``components.expert_weights.self_casting_experts``: outside FSDP, or, with FSDP off,
     under an autocast to ``autocast_dtype``); none where the weights already are in that
-    dtype. With ``gradients``,
-    the copy of each trained weight takes its gradient (see the module docstring). The copies
-    are uninitialized until :meth:`ComputeCopies.refresh`."""
+    dtype. With ``gradients``, the copy of each trained weight takes its gradient (see the
+    module docstring). The copies are uninitialized until :meth:`ComputeCopies.refresh`."""
     copies: dict[torch.Tensor, torch.Tensor] = {}
     for name, module, dtype in self_casting_experts(model_parts, autocast_dtype):
         if _local(module.w1).dtype == dtype:
