@@ -72,7 +72,7 @@ def store_expert_weights_in(model_parts: Iterable[nn.Module],
     numel = 0
     for name, module, _ in experts:
         # one module's weights at a time: its old tensors stay alive until the check below
-        old = []
+        old: list[torch.Tensor] = []
         for which in EXPERT_WEIGHTS:
             param = getattr(module, which)
             numel += _local(param).numel()
