@@ -69,6 +69,7 @@ def store_expert_weights_in(model_parts: Iterable[nn.Module],
         if compute_dtype != dtype:
             raise ValueError(f"{name or 'experts'} compute in {compute_dtype}, not {dtype}: "
                              "their weights would be cast in every pass anyway")
+    gc.collect()  # unreachable tensors awaiting collection would count as holders below
     numel = 0
     for name, module, _ in experts:
         # one module's weights at a time: its old tensors stay alive until the check below
