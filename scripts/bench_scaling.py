@@ -305,7 +305,7 @@ def with_bf16_expert_weights(point: Point) -> Point:
     """A MoE point with the optimizer's update compiled whose experts store their weights in
     bf16 (``optimizer.expert_weights_dtype``: components/expert_weights.py); no compute
     copies (nothing left to copy)."""
-    if not point.compile_components.endswith("optimizer") or "_cc" in point.name:
+    if not point.compile_components.endswith("optimizer") or COMPUTE_COPIES[0] in point.args:
         raise ValueError(f"point {point.name}: needs the compiled update and no compute copies")
     return dataclasses.replace(point, name=f"{point.name}_w16",
                                args=point.args + BF16_EXPERT_WEIGHTS)

@@ -28,6 +28,16 @@ STOCK_LINE = (
 )
 
 
+
+def _refuses_without_a_gpu(script: str) -> None:
+    """``scripts/<script>.py`` run without ``--smoke`` on a machine with no GPU exits 1 with
+    its one-line reason."""
+    run = subprocess.run([sys.executable, f"scripts/{script}.py"], cwd=REPO,
+                         capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 1
+    assert run.stderr.strip().endswith("needs a CUDA GPU (use --smoke for a CPU check)")
+
 def test_step_lines_of_omni_and_stock_logs():
     bench = _script("bench_scaling")
     steps = bench.parse_steps("\n".join(["noise", OMNI_LINE, STOCK_LINE]))
@@ -603,11 +613,7 @@ def test_encoder_graph_benchmark_runs_what_the_encoder_runs():
     assert rows[0]["vs_lm_encode"] == 0.0
     assert rows[0]["patches"] == 20 and rows[0]["host_ms"] > 0
     if not torch.cuda.is_available():
-        run = subprocess.run([sys.executable, "scripts/bench_encoder_graphs.py"], cwd=REPO,
-                             capture_output=True, text=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
-        assert run.returncode == 1
-        assert run.stderr.strip().endswith("needs a CUDA GPU (use --smoke for a CPU check)")
+        _refuses_without_a_gpu("bench_encoder_graphs")
 
 
 def test_pyspy_summary_counts_threads_queue_waits_and_encoder_samples():
@@ -821,8 +827,4 @@ def test_gather_dispatch_benchmark_compares_both_implementations():
         assert r["max rel diff"] < 1e-6
         assert r["kernels fwd+bwd"] > 0 and r["torch fwd+bwd"] > 0
     if not torch.cuda.is_available():
-        run = subprocess.run([sys.executable, "scripts/bench_gather_dispatch.py"], cwd=REPO,
-                             capture_output=True, text=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
-        assert run.returncode == 1
-        assert run.stderr.strip().endswith("needs a CUDA GPU (use --smoke for a CPU check)")
+        _refuses_without_a_gpu("bench_gather_dispatch")

@@ -150,8 +150,8 @@ class OmniTrainer(Trainer):
         if job_config.optimizer.expert_weights_dtype != "float32" and not on_encoders:
             # before any checkpoint manager: TorchTitan's inert one and ours keep the model's
             # state dict from their construction, which would hold (and save) the old weights
+            # (the conversion collects garbage first, should a reference cycle hold the manager)
             drop_titan_checkpointer(self)
-            gc.collect()  # should a reference cycle hold it
             self._store_expert_weights(getattr(torch, job_config.optimizer.expert_weights_dtype))
         # Crash-safe, reshardable checkpoints and weights.sources (torchtitan_omni.checkpoint).
         setup_checkpointing(self)

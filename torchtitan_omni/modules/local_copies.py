@@ -64,13 +64,17 @@ def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # ---------------------------------------------------------------- torch's ops (any device)
 
+def _used(x, count):
+    # [rows, 1]: whether each row of x is below count
+    return (torch.arange(x.shape[0], device=x.device) < count).unsqueeze(1)
+
+
 def _rows_below_torch(src, index, scale, count):
     out = src.index_select(0, index)
     if scale is not None:
         wide = _sum_dtype(src.dtype)
         out = (out.to(wide) * scale.to(wide).unsqueeze(1)).to(src.dtype)
-    used = torch.arange(index.numel(), device=index.device) < count
-    return torch.where(used.unsqueeze(1), out, 0)
+    return torch.where(_used(index, count), out, 0)
 
 
 def _slot_rows_torch(src, pos, count):
@@ -90,10 +94,6 @@ def _slot_dots_torch(src, other, pos, count, top_k):
     wide = _sum_dtype(src.dtype)
     rows = _slot_rows_torch(src, pos, count).view(-1, top_k, src.shape[1]).to(wide)
     return (rows * other.to(wide).unsqueeze(1)).sum(dim=-1)
-
-
-def _used(x, count):
-    return (torch.arange(x.shape[0], device=x.device) < count).unsqueeze(1)
 
 
 def _swiglu_torch(a, b, count):
