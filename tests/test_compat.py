@@ -129,6 +129,25 @@ def test_dynamo_recompile_limit_and_graph_counter():
     assert isinstance(compat.compiled_graph_count(), int)
 
 
+def test_mark_size_static_keeps_one_size_constant_in_a_dynamic_compile():
+    """Two sizes through a ``dynamic=True`` compile: one graph unmarked, two marked."""
+    from torch._dynamo.utils import counters
+
+    def double(x):
+        return x * 2
+
+    for mark, graphs in ((False, 1), (True, 2)):
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(double, backend="eager", dynamic=True)
+        for n in (6, 10):
+            x = torch.ones(n)
+            if mark:
+                compat.mark_size_static(x)
+            assert torch.equal(fn(x), x * 2)
+        assert counters["stats"]["unique_graphs"] == graphs, (mark, dict(counters["stats"]))
+
+
 def test_forward_hooks_are_seen_own_and_global():
     lin = nn.Linear(2, 2)
     assert not compat.has_forward_hooks(lin)

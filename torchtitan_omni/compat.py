@@ -16,7 +16,8 @@ Wrapped here:
   attention on CUDA), ``torch.distributed._functional_collectives`` and its
   op ``torch.ops._c10d_functional.all_to_all_single`` (collectives ``torch.compile`` can
   trace; a launched one waited where the caller chooses),
-  ``torch._dynamo`` (recompile limit, compiled-graph count), ``nn.Module``'s hook and
+  ``torch._dynamo`` (recompile limit, compiled-graph count, a size kept static in a
+  dynamic-shape compile), ``nn.Module``'s hook and
   non-persistent-buffer registries; ``torch.distributed._symmetric_memory`` (NVSHMEM buffers)
   and its op ``torch.ops.symm_mem.all_to_all_vdev`` (the expert exchange with split sizes on
   the device, ``distributed.expert_device_splits``);
@@ -180,6 +181,12 @@ def raise_recompile_limit(limit: int) -> None:
     setting in torch 2.13)."""
     config = torch._dynamo.config
     config.cache_size_limit = max(config.cache_size_limit, limit)
+
+
+def mark_size_static(tensor: torch.Tensor, dim: int = 0) -> None:
+    """Have a ``dynamic=True`` compile treat ``tensor``'s size ``dim`` as a constant (a graph
+    per size); other inputs stay symbolic. torch 2.13 has no public mark."""
+    torch._dynamo.mark_static(tensor, dim)
 
 
 def compiled_graph_count() -> int:

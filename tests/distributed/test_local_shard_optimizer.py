@@ -189,19 +189,23 @@ def test_clipping_coefficient_taken_into_the_next_step_matches_clipping_first():
             assert r["grads_worst"] <= tol * 1e-3, (impl, r)
 
 
-def test_compiled_update_compiles_once_per_number_of_dimensions():
-    """A schedule's new learning rate and tensors of new sizes reuse the compiled graphs: one
-    per number of dimensions (Parameters' own shapes would each get a graph), and only the
-    tensors at the size bound go to it."""
+def test_compiled_update_compiles_once_per_size_up_to_the_bound(monkeypatch):
+    """A schedule's new learning rate reuses the compiled graphs; each of the first sizes met
+    (three here) gets a graph of its own whatever its shape, every further size one shared
+    graph, and only the tensors at the size bound go to the compiled update."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    from torchtitan_omni.components import adam_update
     from torchtitan_omni.components.optimizer import LocalShardAdamW
 
+    monkeypatch.setattr(adam_update, "STATIC_SIZES_MAX", 3)
+    monkeypatch.setattr(adam_update, "_compiled", {})
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    shapes = [(64, 32), (16, 8, 8), (100,), (48, 32), (12, 5, 9), (7,)]
+    # sizes 2048 (three shapes), 1024, 100, then 1536 and 540 past the bound
+    shapes = [(64, 32), (32, 64), (16, 8, 8), (100,), (2048,), (48, 32), (12, 5, 9), (7,)]
     params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
     opt = LocalShardAdamW(params, lr=1e-3, fused=True)
     opt.compile_updates(min_numel=50)  # all but the 7-element bias
@@ -211,7 +215,8 @@ def test_compiled_update_compiles_once_per_number_of_dimensions():
         opt.param_groups[0]["lr"] = 1e-3 / (step + 1)
         opt.step()
         assert opt.compiled_numel == sum(p.numel() for p in params[:-1])
-    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+    assert adam_update.compiled_adam_update().static_sizes == {2048, 1024, 100}
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
 
 
 def test_compiled_update_resumes_from_a_state_dict_as_it_ran_on():

@@ -31,9 +31,9 @@ with its bf16 compute copy.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from torchtitan_omni.compat import mark_size_static, raise_recompile_limit
 
 #: tensors smaller than this stay with torch's fused kernel: a compiled call takes the host
 #: about 0.1 ms, and 4M float32 elements take the GPU about as long to update
@@ -149,16 +149,60 @@ def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         stored_param.copy_(round_stochastically(param, stored_param.dtype, noise))
 
 
-_compiled: dict[str, Callable[..., None]] = {}
+#: tensor sizes whose update gets a graph of its own, the first ones met: its kernel knows the
+#: size and reads and writes without bounds masks. On one H200 that took the update of a 50M-
+#: element expert tensor from 0.31 to 0.18 ms with bf16 weights and moments, 0.30 to 0.24 ms
+#: with bf16 moments and a compute copy, 0.30 to 0.26 ms with bf16 weights (the kernels that
+#: round; float32 ones move the same bytes either way). The update of any further size runs in
+#: one graph for all sizes.
+STATIC_SIZES_MAX = 8
+
+#: graphs the compiled update may hold: each static size and the shared one, for up to four
+#: layouts (dtypes, a clipping coefficient or not, a compute copy or not); past dynamo's
+#: default limit of 8 a function's new inputs would run eagerly
+GRAPHS_MAX = 4 * (STATIC_SIZES_MAX + 1)
 
 
-def compiled_adam_update(backend: str = "inductor") -> Callable[..., None]:
-    """:func:`adam_update_` under ``torch.compile`` with ``backend`` (dynamic shapes: one graph
-    per number of dimensions for tensors that are not Parameters; the learning rate a graph
-    input rather than a constant, so a schedule does not recompile it)."""
+def _flat_alias(t: torch.Tensor) -> torch.Tensor:
+    # a 1-D tensor on t's memory that is neither a Parameter nor a view (dynamo guards a view
+    # on its base's shape, and keeps a Parameter's static): graphs are told apart by size only
+    return t.view(-1).data
+
+
+class CompiledAdamUpdate:
+    """:func:`adam_update_` under ``torch.compile`` with one backend, called with the same
+    arguments. Each tensor runs flattened; the first :data:`STATIC_SIZES_MAX` sizes met get a
+    graph each with the size fixed, any other size a shared graph with it symbolic. The
+    hyperparameters are graph inputs, not constants, so a schedule's new learning rate does
+    not recompile."""
+
+    def __init__(self, backend: str = "inductor") -> None:
+        self._update = torch.compile(adam_update_, backend=backend, fullgraph=True,
+                                     dynamic=True)
+        self.static_sizes: set[int] = set()
+        raise_recompile_limit(GRAPHS_MAX)
+
+    def __call__(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, step: torch.Tensor, coef: torch.Tensor | None,
+                 compute_copy: torch.Tensor | None = None, **hyper) -> None:
+        flat = [_flat_alias(t) for t in (param, grad, exp_avg, exp_avg_sq)]
+        copy = None if compute_copy is None else _flat_alias(compute_copy)
+        numel = param.numel()
+        if numel in self.static_sizes or len(self.static_sizes) < STATIC_SIZES_MAX:
+            self.static_sizes.add(numel)
+            for t in (*flat, copy):
+                if t is not None:
+                    mark_size_static(t)
+        self._update(*flat, step, coef, copy, **hyper)
+
+
+_compiled: dict[str, CompiledAdamUpdate] = {}
+
+
+def compiled_adam_update(backend: str = "inductor") -> CompiledAdamUpdate:
+    """The process's :class:`CompiledAdamUpdate` for ``backend``."""
     if backend not in _compiled:
-        _compiled[backend] = torch.compile(adam_update_, backend=backend, fullgraph=True,
-                                           dynamic=True)
+        _compiled[backend] = CompiledAdamUpdate(backend)
     return _compiled[backend]
 
 

@@ -282,10 +282,7 @@ class _LocalShardStep:
         beta1, beta2 = group["betas"]
         for p, g, m, v, step, copy in zip(*big):
             self.compiled_numel += p.numel()
-            # plain aliases: dynamo keeps a Parameter's shape static (a graph per shape) and
-            # guards a view on its base's; these get one graph per number of dimensions
-            p, g, m, v = (t.data for t in (p, g, m, v))
-            update(p, g, m, v, step, coef, None if copy is None else copy.data,
+            update(p, g, m, v, step, coef, copy,
                    lr=group["lr"], beta1=beta1, beta2=beta2,
                    eps=group["eps"], weight_decay=group["weight_decay"],
                    decoupled_weight_decay=group["decoupled_weight_decay"],
