@@ -190,9 +190,10 @@ def test_clipping_coefficient_taken_into_the_next_step_matches_clipping_first():
 
 
 def test_compiled_update_compiles_once_per_size_up_to_the_bound(monkeypatch):
-    """A schedule's new learning rate reuses the compiled graphs; each of the first sizes met
-    (three here) gets a graph of its own whatever its shape, every further size one shared
-    graph, and only the tensors at the size bound go to the compiled update."""
+    """A schedule's new learning rate reuses the compiled graphs; the sizes that update the
+    most elements in all (three here) get a graph each whatever their shapes and wherever they
+    come, every other size one shared graph, and only the tensors at the size bound go to the
+    compiled update."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -204,8 +205,9 @@ def test_compiled_update_compiles_once_per_size_up_to_the_bound(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    # sizes 2048 (three shapes), 1024, 100, then 1536 and 540 past the bound
-    shapes = [(64, 32), (32, 64), (16, 8, 8), (100,), (2048,), (48, 32), (12, 5, 9), (7,)]
+    # sizes 100 and 540 first, then 2048 (four shapes), 1024 and 1536
+    shapes = [(100,), (12, 5, 9), (64, 32), (32, 64), (16, 8, 8), (2048,), (32, 32), (48, 32),
+              (7,)]
     params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
     opt = LocalShardAdamW(params, lr=1e-3, fused=True)
     opt.compile_updates(min_numel=50)  # all but the 7-element bias
@@ -215,7 +217,7 @@ def test_compiled_update_compiles_once_per_size_up_to_the_bound(monkeypatch):
         opt.param_groups[0]["lr"] = 1e-3 / (step + 1)
         opt.step()
         assert opt.compiled_numel == sum(p.numel() for p in params[:-1])
-    assert adam_update.compiled_adam_update().static_sizes == {2048, 1024, 100}
+    assert adam_update.compiled_adam_update().static_sizes == {2048, 1536, 1024}
     assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
 
 

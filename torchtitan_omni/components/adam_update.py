@@ -31,6 +31,9 @@ with its bf16 compute copy.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
+
 import torch
 
 from torchtitan_omni.compat import mark_size_static, raise_recompile_limit
@@ -149,7 +152,8 @@ def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         stored_param.copy_(round_stochastically(param, stored_param.dtype, noise))
 
 
-#: tensor sizes whose update gets a graph of its own, the first ones met: its kernel knows the
+#: tensor sizes whose update gets a graph of its own (those that update the most elements in
+#: all, :meth:`CompiledAdamUpdate.prefer_sizes`, else the first ones met): its kernel knows the
 #: size and reads and writes without bounds masks. On one H200 that took the update of a 50M-
 #: element expert tensor from 0.31 to 0.18 ms with bf16 weights and moments, 0.30 to 0.24 ms
 #: with bf16 moments and a compute copy, 0.30 to 0.26 ms with bf16 weights (the kernels that
@@ -171,16 +175,27 @@ def _flat_alias(t: torch.Tensor) -> torch.Tensor:
 
 class CompiledAdamUpdate:
     """:func:`adam_update_` under ``torch.compile`` with one backend, called with the same
-    arguments. Each tensor runs flattened; the first :data:`STATIC_SIZES_MAX` sizes met get a
-    graph each with the size fixed, any other size a shared graph with it symbolic. The
-    hyperparameters are graph inputs, not constants, so a schedule's new learning rate does
-    not recompile."""
+    arguments. Each tensor runs flattened; up to :data:`STATIC_SIZES_MAX` sizes (those
+    :meth:`prefer_sizes` picks, then the first ones met) get a graph each with the size fixed,
+    any other size a shared graph with it symbolic. The hyperparameters are graph inputs, not
+    constants, so a schedule's new learning rate does not recompile."""
 
     def __init__(self, backend: str = "inductor") -> None:
         self._update = torch.compile(adam_update_, backend=backend, fullgraph=True,
                                      dynamic=True)
         self.static_sizes: set[int] = set()
         raise_recompile_limit(GRAPHS_MAX)
+
+    def prefer_sizes(self, numels: Iterable[int]) -> None:
+        """Give the sizes among ``numels`` (one a tensor to update) that update the most
+        elements in all their graphs of their own, while fewer than :data:`STATIC_SIZES_MAX`
+        have one: the largest tensors' kernels gain the most, and a model's small tensors may
+        come first."""
+        totals = Counter(numels)
+        for numel in sorted(totals, key=lambda n: n * totals[n], reverse=True):
+            if len(self.static_sizes) >= STATIC_SIZES_MAX:
+                break
+            self.static_sizes.add(numel)
 
     def __call__(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                  exp_avg_sq: torch.Tensor, step: torch.Tensor, coef: torch.Tensor | None,

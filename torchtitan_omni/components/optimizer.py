@@ -279,6 +279,7 @@ class _LocalShardStep:
         big = [[t for t, c in zip(lst, chosen) if c] for lst in lists]
         torch._foreach_add_(big[4], 1)  # the step counts, as the fused kernel counts them
         update = compiled_adam_update(self._compile_backend)
+        update.prefer_sizes(p.numel() for p in big[0])
         beta1, beta2 = group["betas"]
         for p, g, m, v, step, copy in zip(*big):
             self.compiled_numel += p.numel()
