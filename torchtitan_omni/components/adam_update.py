@@ -200,15 +200,15 @@ class CompiledAdamUpdate:
     def __call__(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                  exp_avg_sq: torch.Tensor, step: torch.Tensor, coef: torch.Tensor | None,
                  compute_copy: torch.Tensor | None = None, **hyper) -> None:
-        flat = [_flat_alias(t) for t in (param, grad, exp_avg, exp_avg_sq)]
+        p, g, m, v = (_flat_alias(t) for t in (param, grad, exp_avg, exp_avg_sq))
         copy = None if compute_copy is None else _flat_alias(compute_copy)
         numel = param.numel()
         if numel in self.static_sizes or len(self.static_sizes) < STATIC_SIZES_MAX:
             self.static_sizes.add(numel)
-            for t in (*flat, copy):
+            for t in (p, g, m, v, copy):
                 if t is not None:
                     mark_size_static(t)
-        self._update(*flat, step, coef, copy, **hyper)
+        self._update(p, g, m, v, step, coef, copy, **hyper)
 
 
 _compiled: dict[str, CompiledAdamUpdate] = {}
