@@ -62,7 +62,10 @@ from torchtitan_omni.components.deferred_read import DeferredRead
 from torchtitan_omni.components.metrics import COMPILED_GRAPHS, LogWindow
 from torchtitan_omni.components.moe_metrics import MoECounter, moe_metrics
 from torchtitan_omni.components.compute_copies import ComputeCopies, keep_expert_compute_copies
-from torchtitan_omni.components.expert_weights import store_expert_weights_in
+from torchtitan_omni.components.expert_weights import (
+    NO_SELF_CASTING_EXPERTS,
+    store_expert_weights_in,
+)
 from torchtitan_omni.components.optimizer import (
     clip_gradients_,
     compile_optimizer_updates,
@@ -183,22 +186,22 @@ class OmniTrainer(Trainer):
         self.moe_counter = MoECounter()
 
     # ----------------------------------------------------------------- set-up
+    def _autocast_dtype(self) -> torch.dtype | None:
+        # the autocast TorchTitan runs without FSDP; none on CPU, where the experts compute in
+        # float32 (see __init__)
+        return None if is_cpu() else getattr(self.maybe_enable_amp, "fast_dtype", None)
+
     def _keep_compute_copies(self) -> None:
-        # the autocast TorchTitan runs without FSDP (none on CPU: see above)
-        autocast = getattr(self.maybe_enable_amp, "fast_dtype", None)
         # the copies take the experts' gradients where each expert weight gets one a step (a
         # second would be summed in the compute dtype): one micro-batch, experts run once per
         # layer (the chunked dispatcher runs them per chunk)
         one_gradient = (self.gradient_accumulation_steps == 1
                         and self.job_config.parallelism.expert_dispatch_chunks == 1)
-        copies = keep_expert_compute_copies(self.model_parts, autocast, gradients=one_gradient)
+        copies = keep_expert_compute_copies(self.model_parts, self._autocast_dtype(),
+                                            gradients=one_gradient)
         if not copies:
-            raise ConfigError(
-                "parallelism.expert_compute_copies: no MoE experts here cast their own weights "
-                "(they do under expert parallel over every data rank with every LLM block "
-                "checkpointed, or without FSDP under a lower-precision autocast): FSDP's mixed "
-                "precision casts them, they compute in their weights' dtype (float32 training, "
-                "CPU), or the model has none; leave it off")
+            raise ConfigError(f"parallelism.expert_compute_copies: {NO_SELF_CASTING_EXPERTS}; "
+                              "leave it off")
         keep_compute_copies(self.optimizers, copies.copies)
         self._copies_to_refresh = copies
         where = ("the copies too, in the compute dtype" if one_gradient else
@@ -208,12 +211,9 @@ class OmniTrainer(Trainer):
                     f"gradients go to {where}")
 
     def _store_expert_weights(self, dtype: torch.dtype) -> None:
-        # before any checkpoint or weights load, which then fill the stored dtype; the
-        # autocast TorchTitan runs without FSDP (none on CPU, where the experts compute in
-        # float32: see below)
-        autocast = None if is_cpu() else getattr(self.maybe_enable_amp, "fast_dtype", None)
+        # before any checkpoint or weights load, which then fill the stored dtype
         try:
-            numel = store_expert_weights_in(self.model_parts, autocast, dtype)
+            numel = store_expert_weights_in(self.model_parts, self._autocast_dtype(), dtype)
         except ValueError as e:
             raise ConfigError(f"optimizer.expert_weights_dtype {str(dtype).split('.')[-1]!r}: "
                               f"{e}; leave it float32") from None

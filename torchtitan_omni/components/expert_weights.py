@@ -29,6 +29,14 @@ import torch.nn as nn
 from torchtitan_omni.modules.moe import EXPERT_WEIGHTS, GroupedExperts, _local
 
 
+#: why an option that acts on the experts that cast their own weights finds none
+NO_SELF_CASTING_EXPERTS = (
+    "no MoE experts here cast their own weights (they do under expert parallel over every data "
+    "rank with every LLM block checkpointed, or without FSDP under a lower-precision "
+    "autocast): FSDP's mixed precision casts them, they compute in their weights' dtype "
+    "(float32 training, CPU), or the model has none")
+
+
 def self_casting_experts(model_parts: Iterable[nn.Module], autocast_dtype: torch.dtype | None
                          ) -> list[tuple[str, GroupedExperts, torch.dtype]]:
     """Every ``GroupedExperts`` that casts its own weights, with its name and compute dtype:
@@ -60,11 +68,7 @@ def store_expert_weights_in(model_parts: Iterable[nn.Module],
     another dtype, and when no expert casts its own weights."""
     experts = self_casting_experts(model_parts, autocast_dtype)
     if not experts:
-        raise ValueError(
-            "no MoE experts here cast their own weights (they do under expert parallel over "
-            "every data rank with every LLM block checkpointed, or without FSDP under a "
-            "lower-precision autocast): FSDP's mixed precision casts them, they compute in "
-            "their weights' dtype (float32 training, CPU), or the model has none")
+        raise ValueError(NO_SELF_CASTING_EXPERTS)
     for name, _, compute_dtype in experts:
         if compute_dtype != dtype:
             raise ValueError(f"{name or 'experts'} compute in {compute_dtype}, not {dtype}: "
