@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from torchtitan_omni.modules.init import init_context
 from torchtitan_omni.modules.moe import (
-    GroupedExperts, MoE, combine, gather_sorted, load_balancing_loss, sort_by_expert,
+    GroupedExperts, MoE, combine, gather_sorted, load_balancing_loss, narrow_sort_keys,
+    sort_by_expert,
 )
 
 E, K, D, H = 6, 2, 16, 12
@@ -60,6 +61,24 @@ def test_sort_by_expert_groups_and_counts():
     assert torch.equal(flat[order], torch.sort(flat, stable=True).values)
     x = torch.randn(50, D, dtype=torch.float64)
     assert torch.equal(gather_sorted(x, order, K), x[order // K])
+
+
+@pytest.mark.parametrize("num_experts, dtype", [(32, torch.uint8), (256, torch.uint8),
+                                                 (257, torch.int16), (32768, torch.int16),
+                                                 (32769, torch.int32)])
+def test_sort_by_expert_sorts_narrow_keys_into_the_wide_keys_order(num_experts, dtype):
+    """The expert ids are sorted in the narrowest integer dtype that holds them (the GPU's
+    radix sort then makes fewer passes); the order is the stable order of the int64 ids,
+    highest id included, and the counts are theirs."""
+    g = torch.Generator().manual_seed(num_experts)
+    idx = torch.randint(0, num_experts, (400, K), generator=g)
+    idx[0, 0], idx[7, 1] = num_experts - 1, 0  # both ends of the range
+    assert narrow_sort_keys(idx, num_experts).dtype == dtype
+    order, counts = sort_by_expert(idx, num_experts)
+    flat = idx.reshape(-1)
+    reference = sorted(range(flat.numel()), key=lambda i: (int(flat[i]), i))
+    assert order.tolist() == reference
+    assert torch.equal(counts, torch.bincount(flat, minlength=num_experts))
 
 
 def test_sorted_gather_and_combine_have_the_plain_indexing_gradients():

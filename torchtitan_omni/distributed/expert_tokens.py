@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from torchtitan_omni.distributed.comm import ProcessGroup, all_to_all_v, exchange_counts
 from torchtitan_omni.distributed.recompute_tape import recorded_or_replayed
+from torchtitan_omni.modules.moe import narrow_sort_keys
 from torchtitan_omni.modules.row_maps import spread_rows, sum_slots
 
 #: largest local expert id the header carries exactly in bfloat16 (8 bits of mantissa)
@@ -95,7 +96,7 @@ class TokenExchange:
         with torch.no_grad():
             # the (rank, token) pairs to send, rank-major: positions in a [ranks * N] grid
             grid = touched.t().reshape(-1)
-            pos = torch.argsort(torch.logical_not(grid).to(torch.int32), stable=True)[:sent]
+            pos = torch.argsort(torch.logical_not(grid).to(torch.uint8), stable=True)[:sent]
             rank_of, token_of = pos // n, pos % n
             here = dest.index_select(0, token_of) == rank_of[:, None]  # [S, k]
             ids = torch.where(here, indices.index_select(0, token_of) - rank_of[:, None] * local,
@@ -110,7 +111,7 @@ class TokenExchange:
             slot_ids = ids_got.round().to(torch.int64).reshape(-1)  # [R * k], -1: not here
             key = torch.where(slot_ids >= 0, slot_ids, local)
             # the copies grouped by local expert (stable: by source rank, then token)
-            order = torch.argsort(key, stable=True)[:copies]
+            order = torch.argsort(narrow_sort_keys(key, local + 1), stable=True)[:copies]
             counts_local = recv[:, :local].sum(0)
         x_local = spread_rows(x_got, order // k, order, k, 1)
         y_local = experts(x_local, counts_local)

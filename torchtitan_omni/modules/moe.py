@@ -306,6 +306,18 @@ def run_experts(dispatcher: Dispatcher, experts: nn.Module, x_sorted: torch.Tens
     return dispatcher.combine(experts(x_local, counts_local), state)
 
 
+def narrow_sort_keys(keys: torch.Tensor, bound: int) -> torch.Tensor:
+    """``keys`` (integers in ``[0, bound)``) in the narrowest integer dtype that holds them,
+    for a stable sort: torch's CUDA radix sort makes one pass per 8 bits of the key's dtype,
+    and at a MoE layer's sizes every pass costs the same latency whatever the row count
+    (64K keys on an H200: 168 us for argsort and searchsorted in int64, 80 us in uint8).
+    The order is the same in any dtype that holds the keys."""
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        if bound <= torch.iinfo(dtype).max + 1:
+            return keys.to(dtype)
+    return keys
+
+
 def sort_by_expert(
     expert_indices: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,11 +326,12 @@ def sort_by_expert(
     Stable (a token's assignments keep their order inside an expert group) and free of
     host-device syncs and atomics, so deterministic on GPU.
     """
-    flat = expert_indices.reshape(-1)
+    flat = narrow_sort_keys(expert_indices.reshape(-1), num_experts)
     order = torch.argsort(flat, stable=True)
-    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype)
-    edges = torch.searchsorted(flat[order], bounds)
-    return order, edges[1:] - edges[:-1]
+    # each expert's first position (its id fits the keys' dtype, the count past the last may not)
+    experts = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
+    starts = torch.searchsorted(flat[order], experts)
+    return order, torch.diff(starts, append=starts.new_full((1,), flat.numel()))
 
 
 def gather_sorted(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
