@@ -107,3 +107,32 @@ def test_projector_head_loss_matches_its_logits(depth):
     torch.testing.assert_close(loss.double(), ref)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.double(), r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_heads_sum_the_weight_gradient_as_eager_does(dtype):
+    """``compile_loss_heads`` gives a head compiled passes over its weight gradient's float32
+    sum (the first product widened, later ones added, the backward's scale into the weight's
+    dtype), with three groups of chunks and a non-unit upstream gradient: the same loss and
+    gradients as the eager passes, bit for bit (elementwise, one rounding each). Both runs
+    use the eager chunk kernel (the compiled one may sum a chunk's log-sum-exp in another
+    order)."""
+    from torchtitan_omni.distributed.compile import compile_loss_heads
+    from torchtitan_omni.modules.linear_cross_entropy import EAGER_SUM, loss_and_logit_grad
+
+    def run(compiled):
+        torch.manual_seed(3)
+        head = LinearHead(24, 97, bias=False).to(dtype)
+        model = torch.nn.Sequential(head)
+        if compiled:
+            assert compile_loss_heads(model, "inductor") == 1
+            assert head.weight_grad_sum is not EAGER_SUM
+        x = torch.randn(50, 24, dtype=dtype, requires_grad=True)
+        t = torch.randint(0, 97, (50,))
+        loss = linear_cross_entropy(x, head.weight, t, rows=7, group=21,
+                                    kernel=loss_and_logit_grad, sums=head.weight_grad_sum)
+        (loss * 0.37).backward()
+        return loss.detach(), x.grad, head.weight.grad
+
+    for eager, compiled in zip(run(False), run(True)):
+        assert eager.dtype == compiled.dtype and torch.equal(eager, compiled)

@@ -24,7 +24,8 @@ integers, each of which would otherwise be specialized until it first changed, s
 variants kept coming for as long as some size had not yet changed (the token dispatch's
 pieces: two more every other step on CPU, none with dynamic sizes).
 
-``components = ["loss"]`` compiles the elementwise kernel of the chunked text-head loss
+``components = ["loss"]`` compiles the elementwise kernel of the chunked text-head loss and
+the passes over its weight gradient's float32 sum
 (``torchtitan_omni.modules.linear_cross_entropy``).
 """
 
@@ -35,7 +36,12 @@ import torch.nn as nn
 
 from torchtitan_omni.compat import compiled_graph_count, raise_recompile_limit
 from torchtitan_omni.modules.wrapping import extend_class
-from torchtitan_omni.modules.linear_cross_entropy import LinearHead, loss_and_logit_grad
+from torchtitan_omni.modules.linear_cross_entropy import (
+    EAGER_SUM,
+    LinearHead,
+    WeightGradSum,
+    loss_and_logit_grad,
+)
 
 #: compiled code objects are shared by all blocks that run the same forward (one mixin's
 #: ``forward`` serves every part), so the per-code cache must hold every part's graphs and
@@ -78,11 +84,16 @@ def compile_units(units: list[nn.Module], backend: str, graph_breaks: bool | Non
 
 
 def compile_loss_heads(model: nn.Module, backend: str) -> int:
-    """Use a compiled chunk kernel in every ``LinearHead``; returns how many heads."""
+    """Use a compiled chunk kernel and compiled weight-gradient passes in every
+    ``LinearHead``; returns how many heads."""
     kernel = torch.compile(loss_and_logit_grad, backend=backend)
+    # a head's weight keeps its shape: a graph per head shape, sizes fixed (no bounds masks)
+    sums = WeightGradSum(*(torch.compile(f, backend=backend, fullgraph=True, dynamic=False)
+                           for f in EAGER_SUM))
     heads = [m for m in model.modules() if isinstance(m, LinearHead)]
     for head in heads:
         head.loss_kernel = kernel
+        head.weight_grad_sum = sums
     return len(heads)
 
 
