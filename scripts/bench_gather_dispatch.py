@@ -14,6 +14,12 @@ Prints one markdown row per degree: the rows used, the forward and the forward +
 ms for each implementation (the median device time of ``--iters`` timed iterations,
 ``bench_attention.time_passes``), the ratio, and the
 largest relative difference of the output and gradients between the two.
+
+At degree 1 (``--degree 1``: no expert parallelism, every row used) a third implementation
+runs too, the MoE layer's own local dispatch (``modules.moe``'s ``sort_by_expert``,
+``gather_sorted`` and ``combine``, what a run without expert parallelism computes), and a line
+under the table gives its times and the row maps' ratio to it: whether the local dispatch
+would gain from the row maps.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
     from torchtitan_omni.distributed.comm import GroupShape
     from torchtitan_omni.distributed.expert_gather import GatherExpertParallelDispatcher
     from torchtitan_omni.modules.init import init_context
-    from torchtitan_omni.modules.moe import GroupedExperts
+    from torchtitan_omni.modules.moe import GroupedExperts, combine, gather_sorted, sort_by_expert
 
     local = args.experts // degree
     module = GroupedExperts(args.dim, args.hidden, local)
@@ -75,11 +81,22 @@ def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
     row = {"degree": degree, "buffer": degree * args.tokens * args.top_k,
            "used": int(((ids >= 0) & (ids < local)).sum())}
     results = {}
-    for name, kernels in (("torch", False), ("kernels", True)):
+
+    def local_dispatch(experts, x_all, w_all, ids):
+        # the MoE layer's path without expert parallelism (modules.moe.MoE.forward's)
+        order, counts = sort_by_expert(ids, args.experts)
+        return combine(experts(gather_sorted(x_all, order, args.top_k), counts), order, w_all)
+
+    implementations = [("torch", False), ("kernels", True)] + ([("local", None)] if degree == 1
+                                                                else [])
+    for name, kernels in implementations:
         torch.compiler.reset()  # each (degree, implementation) compiles afresh
-        dispatcher = GatherExpertParallelDispatcher(GroupShape(degree, 0), args.experts,
-                                                    args.tokens, kernels=kernels)
-        local_work = dispatcher.run_local
+        if kernels is None:
+            local_work = local_dispatch
+        else:
+            dispatcher = GatherExpertParallelDispatcher(GroupShape(degree, 0), args.experts,
+                                                        args.tokens, kernels=kernels)
+            local_work = dispatcher.run_local
         if not args.no_compile:
             local_work = torch.compile(local_work, fullgraph=True)
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -104,6 +121,10 @@ def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
         results[name] = [out.detach(), xi.grad, wi.grad, module.w1.grad, module.w2.grad]
     row["ratio"] = row["torch fwd+bwd"] / row["kernels fwd+bwd"]
     row["max rel diff"] = max(_rel(a, b) for a, b in zip(results["kernels"], results["torch"]))
+    if "local" in results:
+        row["local ratio"] = row["local fwd+bwd"] / row["kernels fwd+bwd"]
+        row["local max rel diff"] = max(_rel(a, b) for a, b in zip(results["kernels"],
+                                                                   results["local"]))
     return row
 
 
@@ -143,8 +164,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {r['degree']} | {r['buffer']:,} | {r['used']:,} | {r['torch fwd']:.2f} | "
               f"{r['kernels fwd']:.2f} | {r['torch fwd+bwd']:.2f} | {r['kernels fwd+bwd']:.2f} "
               f"| {r['ratio']:.2f}x | {r['max rel diff']:.1e} |")
+    for r in rows:
+        if "local ratio" in r:
+            print(f"\nEP{r['degree']}, the MoE layer's local dispatch: fwd "
+                  f"{r['local fwd']:.2f} ms, fwd+bwd {r['local fwd+bwd']:.2f} ms; the row maps "
+                  f"{r['local ratio']:.2f}x its speed (max rel diff {r['local max rel diff']:.1e})")
     for r in rows if args.profile else []:
-        for name in ("torch", "kernels"):
+        for name in ("torch", "kernels") + (("local",) if "local ratio" in r else ()):
             print(f"\nEP{r['degree']}, {name}: top kernels of one forward + backward\n")
             print(r[f"{name} kernels"])
     return rows

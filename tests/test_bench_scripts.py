@@ -826,5 +826,9 @@ def test_gather_dispatch_benchmark_compares_both_implementations():
         assert r["buffer"] == r["degree"] * 16 * 2 and 0 < r["used"] < r["buffer"]
         assert r["max rel diff"] < 1e-6
         assert r["kernels fwd+bwd"] > 0 and r["torch fwd+bwd"] > 0
+    # degree 1: every row used, and the MoE layer's local dispatch timed beside them
+    (one,) = bench.main(["--smoke", "--iters", "1", "--warmup", "0", "--degree", "1"])
+    assert one["used"] == one["buffer"] == 16 * 2
+    assert one["local fwd+bwd"] > 0 and one["local max rel diff"] < 1e-6
     if not torch.cuda.is_available():
         _refuses_without_a_gpu("bench_gather_dispatch")
