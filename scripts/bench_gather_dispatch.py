@@ -87,16 +87,14 @@ def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
         order, counts = sort_by_expert(ids, args.experts)
         return combine(experts(gather_sorted(x_all, order, args.top_k), counts), order, w_all)
 
-    implementations = [("torch", False), ("kernels", True)] + ([("local", None)] if degree == 1
-                                                                else [])
-    for name, kernels in implementations:
+    implementations = {
+        name: GatherExpertParallelDispatcher(GroupShape(degree, 0), args.experts, args.tokens,
+                                             kernels=kernels).run_local
+        for name, kernels in (("torch", False), ("kernels", True))}
+    if degree == 1:
+        implementations["local"] = local_dispatch
+    for name, local_work in implementations.items():
         torch.compiler.reset()  # each (degree, implementation) compiles afresh
-        if kernels is None:
-            local_work = local_dispatch
-        else:
-            dispatcher = GatherExpertParallelDispatcher(GroupShape(degree, 0), args.experts,
-                                                        args.tokens, kernels=kernels)
-            local_work = dispatcher.run_local
         if not args.no_compile:
             local_work = torch.compile(local_work, fullgraph=True)
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()

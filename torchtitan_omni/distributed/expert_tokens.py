@@ -96,7 +96,7 @@ class TokenExchange:
         with torch.no_grad():
             # the (rank, token) pairs to send, rank-major: positions in a [ranks * N] grid
             grid = touched.t().reshape(-1)
-            pos = torch.argsort(torch.logical_not(grid).to(torch.uint8), stable=True)[:sent]
+            pos = torch.argsort(narrow_sort_keys(torch.logical_not(grid), 2), stable=True)[:sent]
             rank_of, token_of = pos // n, pos % n
             here = dest.index_select(0, token_of) == rank_of[:, None]  # [S, k]
             ids = torch.where(here, indices.index_select(0, token_of) - rank_of[:, None] * local,
