@@ -54,8 +54,8 @@ class GatherExpertParallelDispatcher:
     routed to them, and reduce-scatters the weighted sums. ``tokens``: the most tokens a rank
     brings to one call (tokens per micro-batch); fewer are padded to it, so every rank of the
     group gathers the same rows. ``kernels``: the passes over the worst-case buffer through
-    ``modules.local_copies`` (its Triton kernels on CUDA, which touch the used rows only;
-    torch's ops elsewhere), or, False, through torch's ops over every row on any device (the
+    ``modules.local_copies`` over the used rows only (its Triton kernels on CUDA, torch's ops
+    elsewhere), or, False, over every row, those past this rank's copies masked to zero (the
     baseline of ``scripts/bench_gather_dispatch.py``)."""
 
     host_sync = False

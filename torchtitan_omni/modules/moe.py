@@ -73,8 +73,13 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_omni.compat import grouped_mm
 from torchtitan_omni.modules import init
-from torchtitan_omni.modules.local_copies import fork_rows, swiglu_rows
-from torchtitan_omni.modules.row_maps import inverse_permutation, permute_rows, spread_rows
+from torchtitan_omni.modules.local_copies import (
+    combine_copies,
+    fork_rows,
+    gather_copies,
+    swiglu_rows,
+)
+from torchtitan_omni.modules.row_maps import inverse_permutation
 from torchtitan_omni.modules.segment_mm import segment_mm
 
 
@@ -337,28 +342,35 @@ def sort_by_expert(
 def gather_sorted(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
     """The token of every sorted assignment: ``x[order // top_k]`` ``[N * k, D]``.
 
-    One gather of repeated rows, whose backward places each copy's gradient at its (token,
-    choice) slot and sums a token's k slots (:func:`~torchtitan_omni.modules.row_maps.spread_rows`:
-    no atomic index_add, so deterministic, and no sort).
+    One gather of repeated rows (:func:`~torchtitan_omni.modules.local_copies.gather_copies`
+    with every row used: a Triton kernel on CUDA), whose backward sums each token's k slots'
+    gradients in one pass (no atomic index_add, so deterministic, and no sort). Why the row
+    maps rather than torch's index ops: compiled, those moved a layer's rows at 0.6-1.2 TB/s
+    on an H200 (a zero fill, a placement and a sum in the backward; docs/performance.md,
+    thirty-sixth session).
     """
-    return spread_rows(x, torch.div(order, top_k, rounding_mode="floor"), order, top_k, 1)
+    with torch.no_grad():
+        inverse = inverse_permutation(order)
+    return gather_copies(x, order, inverse, _every_row(order), top_k)
+
+
+def _every_row(order: torch.Tensor) -> torch.Tensor:
+    # the row maps' count (a device scalar) when every sorted copy is used
+    return torch.full((), order.numel(), dtype=order.dtype, device=order.device)
 
 
 def combine(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Undo the sort and sum each token's k expert outputs weighted by ``weights`` ``[N, k]``.
 
     The weights are rounded to the outputs' dtype (as every dispatcher weighs its copies), the
-    products and their sum are float32, and the result is rounded once to the outputs' dtype.
-    Why not a batched matmul (``[1, k] x [k, D]`` per token): cuBLAS runs such shapes on
-    small-tile kernels far below the memory bandwidth; a product and a sum over ``k`` read the
-    copies once, fused into one kernel when compiled. Autograd keeps the outputs and weights,
-    not the float32 products."""
-    n, k = weights.shape
-    inverse = inverse_permutation(order)
-    per_token = permute_rows(out_sorted, inverse, order).view(n, k, out_sorted.shape[-1])
-    # float32 weights promote the product: exact, as bf16 times bf16 fits float32's mantissa
-    scale = weights.to(per_token.dtype).to(torch.promote_types(per_token.dtype, torch.float32))
-    return (per_token * scale.unsqueeze(-1)).sum(dim=1).to(per_token.dtype)
+    products and their sum are float32, and the result is rounded once to the outputs' dtype
+    (:func:`~torchtitan_omni.modules.local_copies.combine_copies` with every row used: one
+    kernel per pass on CUDA that reads each copy once). Why not a batched matmul (``[1, k] x
+    [k, D]`` per token): cuBLAS runs such shapes on small-tile kernels far below the memory
+    bandwidth. Autograd keeps the outputs and weights, not the float32 products."""
+    with torch.no_grad():
+        inverse = inverse_permutation(order)
+    return combine_copies(out_sorted, weights, order, inverse, _every_row(order))
 
 
 class RoutingStats(NamedTuple):

@@ -2,10 +2,9 @@
 scatter-add: deterministic on GPU, and no sort (an ``index``/``index_select`` backward adds
 rows with atomics, or sorts them first when determinism is asked for).
 
-Used wherever tokens are reordered by expert: the MoE layer's sort and un-sort of its routed
-copies (``torchtitan_omni.modules.moe``), the expert-parallel dispatchers' permutations and the
-token dispatch's per-token sums (``torchtitan_omni.distributed.expert_parallel``,
-``expert_tokens``).
+Used by the expert-parallel dispatchers' permutations and the token dispatch's per-token sums
+(``torchtitan_omni.distributed.expert_parallel``, ``expert_tokens``); the MoE layer's own sort
+and un-sort of its routed copies use ``modules.local_copies``' row maps.
 """
 
 from __future__ import annotations
