@@ -1060,6 +1060,10 @@ def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "")
     tflops = share * statistics.median(s["tflops"] for s in timed)
     row.update(tps=tps, tps_range=tps_range, mfu=mfu, mem_gib=max(s["mem_gib"] for s in steps),
                step_s=step_time(steps, point.warmup, profiled))
+    if all("step_s" in s for s in timed):
+        # the mean, for the fixed part (fixed_parts): the 8K and 16K points run the same rows,
+        # and a median of a few steps moves with which rows it lands on
+        row["step_mean_s"] = statistics.fmean(s["step_s"] for s in timed)
     # timed steps in which some rank compiled a graph (the line's count grew): such a step
     # waits for the compile on every rank
     counts = {s["step"]: s["graphs"] for s in steps if "graphs" in s}
@@ -1192,6 +1196,25 @@ def _data_cell(row: dict) -> str:
     return f"{workload} ({100 * share:{'.2g' if share < 0.01 else '.0f'}}%)"
 
 
+def fixed_parts(rows: list[dict]) -> list[dict]:
+    """What of a step does not grow with tokens (issue 12): for each row with a twin at twice
+    its sequence length (the same name with ``_8k`` for ``_16k``, say), ``2 x short - long``
+    from their mean step times (``step_mean_s``), in seconds and as a share of the short
+    step."""
+    by_name = {r["name"]: r for r in rows if r.get("step_mean_s")}
+    pairs = []
+    for short in by_name.values():
+        k = short["seq_len"] // 1024
+        long = by_name.get(short["name"].replace(f"_{k}k", f"_{2 * k}k", 1))
+        if long is None or long is short or long["seq_len"] != 2 * short["seq_len"]:
+            continue
+        fixed = 2 * short["step_mean_s"] - long["step_mean_s"]
+        pairs.append({"short": short["name"], "long": long["name"],
+                      "short_s": short["step_mean_s"], "long_s": long["step_mean_s"],
+                      "fixed_s": fixed, "share": fixed / short["step_mean_s"]})
+    return pairs
+
+
 def table(rows: list[dict], device: str, data_note: str = "") -> str:
     """The markdown table of a run, then each point's command."""
     lines = [
@@ -1232,6 +1255,14 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
                   "| --- | --- | --- |"]
         lines += [f"| {r['name']} | {r['max_over_mean']:.2f} | {r['dropped_pct']:.2f}% |"
                   for r in moe]
+    pairs = fixed_parts(rows)
+    if pairs:
+        lines += ["", "| short point | long point | mean step, short (ms) | mean step, long (ms) "
+                  "| fixed part: 2 x short - long (ms) | of the short step |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {p['short']} | {p['long']} | {1000 * p['short_s']:.1f} | "
+                  f"{1000 * p['long_s']:.1f} | {1000 * p['fixed_s']:.1f} | "
+                  f"{100 * p['share']:.1f}% |" for p in pairs]
     lines += ["", "Commands:", ""]
     lines += [f"- `{r['name']}`: `{r['command']}`" for r in rows]
     return "\n".join(lines) + "\n"

@@ -107,6 +107,36 @@ def test_timed_steps_in_which_some_rank_compiled_are_counted():
     assert row["compile_steps_timed"] == 1 and row["step_s"] == 1.0
 
 
+def test_fixed_part_of_a_point_and_its_twice_as_long_twin():
+    """Each row gets the mean of its timed steps' own times (warm-up and profiled steps left
+    out); a row with a twin at twice its sequence length (``_8k`` -> ``_16k`` in the name) gets
+    the step's fixed part, ``2 x short - long``, in the table; rows without one get none."""
+    bench = _script("bench_scaling")
+
+    def row(name: str, seq: int, seconds: list[float], args=()) -> dict:
+        lines = [_omni_line(k, f"10:00:{k:02d},000", 8000) + f"  step time: {t:.3f}s"
+                 for k, t in enumerate(seconds, start=1)]
+        steps = bench.parse_steps("\n".join(lines))
+        for s in steps:
+            s["mfu"] = s["tflops"] = 0.0  # no FLOP count needed here
+        return bench.summarize(bench.Point(name, "x.toml", 1, seq, args, steps=len(seconds),
+                                           warmup=2), steps, 1.0, 0)
+
+    profile = ("--profiling.enable_profiling", "--profiling.profile_freq", "8")
+    # step 1-2 warm-up; under the profiler steps 5-9 are slowed and left out
+    short = row("moe_12L_8k_text", 8192, [9.0, 5.0, 0.16, 0.17, 3.0, 3.0, 3.0, 3.0, 3.0, 0.21],
+                profile)
+    assert abs(short["step_mean_s"] - 0.18) < 1e-9  # the mean, not the median
+    long = row("moe_12L_16k_text", 16384, [9.0, 5.0, 0.30, 0.31, 0.32])
+    other = row("moe_12L_8k_text_compile", 8192, [9.0, 5.0, 0.2, 0.2])
+    (pair,) = bench.fixed_parts([short, long, other])
+    assert pair["short"] == "moe_12L_8k_text" and pair["long"] == "moe_12L_16k_text"
+    assert abs(pair["fixed_s"] - 0.05) < 1e-9 and abs(pair["share"] - 0.05 / 0.18) < 1e-9
+    text = bench.table([short, long, other], "test")
+    assert "| moe_12L_8k_text | moe_12L_16k_text | 180.0 | 310.0 | 50.0 | 27.8% |" in text
+    assert "fixed part" not in bench.table([other], "test")
+
+
 def test_steps_slowed_by_profiling_are_left_out_of_the_medians():
     """TorchTitan's profiler records the last 4 steps of each ``profile_freq`` cycle (3 warm-up,
     1 active) and exports the trace in the step after: those steps are slower and leave the
