@@ -70,7 +70,9 @@ def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
     from torchtitan_omni.distributed.comm import GroupShape
     from torchtitan_omni.distributed.expert_gather import GatherExpertParallelDispatcher
     from torchtitan_omni.modules.init import init_context
-    from torchtitan_omni.modules.moe import GroupedExperts, combine, gather_sorted, sort_by_expert
+    from torchtitan_omni.modules.moe import (
+        GroupedExperts, combine, gather_sorted, sort_by_expert, sorted_inverse,
+    )
 
     local = args.experts // degree
     module = GroupedExperts(args.dim, args.hidden, local)
@@ -86,7 +88,9 @@ def run(degree: int, args, device: torch.device, dtype: torch.dtype) -> dict:
     def local_dispatch(experts, x_all, w_all, ids):
         # the MoE layer's path without expert parallelism (modules.moe.MoE.forward's)
         order, counts = sort_by_expert(ids, args.experts)
-        return combine(experts(gather_sorted(x_all, order, args.top_k), counts), order, w_all)
+        inverse = sorted_inverse(order)
+        y = experts(gather_sorted(x_all, order, args.top_k, inverse), counts)
+        return combine(y, order, w_all, inverse)
 
     implementations = {
         name: GatherExpertParallelDispatcher(GroupShape(degree, 0), args.experts, args.tokens,

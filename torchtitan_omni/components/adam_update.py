@@ -191,6 +191,8 @@ class CompiledAdamUpdate:
         elements in all their graphs of their own, while fewer than :data:`STATIC_SIZES_MAX`
         have one: the largest tensors' kernels gain the most, and a model's small tensors may
         come first."""
+        if len(self.static_sizes) >= STATIC_SIZES_MAX:  # every step's call past the first
+            return
         totals = Counter(numels)
         for numel in sorted(totals, key=lambda n: n * totals[n], reverse=True):
             if len(self.static_sizes) >= STATIC_SIZES_MAX:

@@ -44,8 +44,7 @@ import torch.nn as nn
 from torchtitan_omni.compat import all_gather_traceable, reduce_scatter_traceable
 from torchtitan_omni.distributed.comm import ProcessGroup
 from torchtitan_omni.modules.local_copies import combine_copies, gather_copies
-from torchtitan_omni.modules.moe import combine, gather_sorted, sort_by_expert
-from torchtitan_omni.modules.row_maps import inverse_permutation
+from torchtitan_omni.modules.moe import combine, gather_sorted, sort_by_expert, sorted_inverse
 
 
 class GatherExpertParallelDispatcher:
@@ -117,9 +116,8 @@ class GatherExpertParallelDispatcher:
             order, per_key = sort_by_expert(key, local + 1)
             counts_local = per_key[:local]
             count = counts_local.sum()
+        inverse = sorted_inverse(order)
         if self.kernels:
-            with torch.no_grad():
-                inverse = inverse_permutation(order)
             # rows past `count` are neither written nor read (grouped GEMM ignores them)
             y = experts(gather_copies(x_all, order, inverse, count, k), counts_local,
                         used_rows=count)
@@ -127,11 +125,11 @@ class GatherExpertParallelDispatcher:
         used = (torch.arange(order.numel(), device=order.device) < count).unsqueeze(1)
         # rows past this rank's copies: zero in, and their outputs and input gradients (which
         # grouped GEMM leaves unspecified past its last group) masked out
-        rows = torch.where(used, gather_sorted(x_all, order, k), 0)
+        rows = torch.where(used, gather_sorted(x_all, order, k, inverse), 0)
         y = torch.where(used, experts(rows, counts_local), 0)
         # back in (token, choice) order, each token's copies weighed and summed (the copies of
         # other ranks' experts are zero here): [R, D]
-        return combine(y, order, w_all)
+        return combine(y, order, w_all, inverse)
 
     def dropped(self, counts: torch.Tensor, copies: int) -> torch.Tensor:
         """Nothing is dropped."""

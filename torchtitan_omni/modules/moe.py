@@ -339,8 +339,10 @@ def sort_by_expert(
     return order, torch.diff(starts, append=starts.new_full((1,), flat.numel()))
 
 
-def gather_sorted(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+def gather_sorted(x: torch.Tensor, order: torch.Tensor, top_k: int,
+                  inverse: torch.Tensor | None = None) -> torch.Tensor:
     """The token of every sorted assignment: ``x[order // top_k]`` ``[N * k, D]``.
+    ``inverse``: ``order``'s inverse permutation where the caller has it (:func:`sorted_inverse`).
 
     One gather of repeated rows (:func:`~torchtitan_omni.modules.local_copies.gather_copies`
     with every row used: a Triton kernel on CUDA), whose backward sums each token's k slots'
@@ -349,9 +351,17 @@ def gather_sorted(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Ten
     on an H200 (a zero fill, a placement and a sum in the backward; docs/performance.md,
     thirty-sixth session).
     """
-    with torch.no_grad():
-        inverse = inverse_permutation(order)
+    if inverse is None:
+        inverse = sorted_inverse(order)
     return gather_copies(x, order, inverse, _every_row(order), top_k)
+
+
+def sorted_inverse(order: torch.Tensor) -> torch.Tensor:
+    """Where each (token, choice) slot went in the sort by expert (``inverse[order] = arange``),
+    outside autograd: what :func:`gather_sorted`'s backward and :func:`combine` read, computed
+    once per layer when the caller passes it to both."""
+    with torch.no_grad():
+        return inverse_permutation(order)
 
 
 def _every_row(order: torch.Tensor) -> torch.Tensor:
@@ -359,8 +369,10 @@ def _every_row(order: torch.Tensor) -> torch.Tensor:
     return torch.full((), order.numel(), dtype=order.dtype, device=order.device)
 
 
-def combine(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Undo the sort and sum each token's k expert outputs weighted by ``weights`` ``[N, k]``.
+def combine(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+            inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """Undo the sort and sum each token's k expert outputs weighted by ``weights`` ``[N, k]``
+    (``inverse`` as for :func:`gather_sorted`).
 
     The weights are rounded to the outputs' dtype (as every dispatcher weighs its copies), the
     products and their sum are float32, and the result is rounded once to the outputs' dtype
@@ -368,8 +380,8 @@ def combine(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     kernel per pass on CUDA that reads each copy once). Why not a batched matmul (``[1, k] x
     [k, D]`` per token): cuBLAS runs such shapes on small-tile kernels far below the memory
     bandwidth. Autograd keeps the outputs and weights, not the float32 products."""
-    with torch.no_grad():
-        inverse = inverse_permutation(order)
+    if inverse is None:
+        inverse = sorted_inverse(order)
     return combine_copies(out_sorted, weights, order, inverse, _every_row(order))
 
 
@@ -439,9 +451,10 @@ class MoE(nn.Module):
         if run_tokens is not None:  # the dispatcher weighs and sums each token's experts
             out = run_tokens(self.experts, x, weights, indices, counts)
         else:
+            inverse = sorted_inverse(order)
             y_sorted = run_experts(self.dispatcher, self.experts,
-                                   gather_sorted(x, order, self.top_k), counts)
-            out = combine(y_sorted, order, weights)
+                                   gather_sorted(x, order, self.top_k, inverse), counts)
+            out = combine(y_sorted, order, weights, inverse)
         out = out.to(x.dtype).reshape(shape)
         dropped = self.dispatcher.dropped(counts, order.numel())
         return out, RoutingStats(probs.sum(dim=0), counts, dropped)
