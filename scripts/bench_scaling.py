@@ -764,12 +764,16 @@ def moe_1gpu() -> list[Point]:
     media rows at 8K, compiled; then the compiled points with the optimizer's update compiled
     too, those with the experts reading the bf16 copies the optimizer keeps, and those with
     the moments in bf16 too (``_m16``); last the compiled-update points with the experts'
-    weights and the moments in bf16 (``_opt_w16_m16``), without compute copies."""
+    weights and the moments in bf16 (``_opt_w16_m16``), without compute copies.
+
+    Each point times 27 steps: the 16K steps move by +-10 ms from row to row, so a fixed part
+    (2 x the 8K mean - the 16K mean) from 7 steps moved by 10 ms between calls; 20 more steps
+    cost about 10 s a pair."""
     cut = _layers(12) + FULL + _ep(1) + OMNI_FLAVORS + ("--model.flavor", "30B-A3B_ep4_rank")
     points = [Point(f"moe_30B-A3B-ep4rank_12L_{seq // 1024}k_1gpu_text_exact", MOE, 1, seq, cut,
-                    workload="text", estimate_s=60) for seq in (8192, 16384)]
+                    steps=30, workload="text", estimate_s=70) for seq in (8192, 16384)]
     realistic = Point("moe_30B-A3B-ep4rank_12L_8k_1gpu_realistic_exact", MOE, 1, 8192, cut,
-                      workload="realistic", estimate_s=70)
+                      steps=30, workload="realistic", estimate_s=80)
     media = [compiled(p, 60) for p in points] + [compiled(realistic, 70)]
     optimizer = [with_compiled_optimizer(p) for p in media]
     copies = [with_compute_copies(p) for p in optimizer]
