@@ -863,3 +863,16 @@ def test_gather_dispatch_benchmark_compares_both_implementations():
     assert one["local fwd+bwd"] > 0 and one["local max rel diff"] < 1e-6
     if not torch.cuda.is_available():
         _refuses_without_a_gpu("bench_gather_dispatch")
+
+
+def test_loss_chunk_benchmark_times_both_forms_against_the_eager_kernel():
+    """``bench_loss_chunk.py --smoke``: one chunk of the head's loss, the eager form compiled
+    then copied into the group's buffer and the fusable form compiled writing it, each with
+    the eager kernel's gradient (the buffer starts as NaN) and loss."""
+    bench = _script("bench_loss_chunk")
+    before, now = bench.main(["--smoke", "--iters", "1", "--warmup", "0"])
+    for r in (before, now):
+        assert r["ms"] > 0 and r["kernels"] > 0
+        assert r["grad diff"] < 1e-2 and r["loss rel diff"] < 1e-5
+    if not torch.cuda.is_available():
+        _refuses_without_a_gpu("bench_loss_chunk")

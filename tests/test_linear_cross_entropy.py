@@ -136,3 +136,48 @@ def test_compiled_heads_sum_the_weight_gradient_as_eager_does(dtype):
 
     for eager, compiled in zip(run(False), run(True)):
         assert eager.dtype == compiled.dtype and torch.equal(eager, compiled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fusable_chunk_kernel_gives_the_eager_kernels_values(dtype):
+    """The compiled heads' chunk kernel, run eagerly, against the eager kernel: the same loss
+    and the same logit gradient bit for bit (subtracting the one-hot term is the eager
+    kernel's scatter-add of -1), returned or written into a given buffer."""
+    from torchtitan_omni.modules.linear_cross_entropy import (
+        fusable_loss_and_logit_grad,
+        loss_and_logit_grad,
+    )
+
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(13, 97, generator=g) * 4).to(dtype)
+    targets = torch.randint(0, 97, (13,), generator=g)
+    loss, grad = loss_and_logit_grad(logits, targets)
+    assert grad.dtype == dtype
+    buffer = torch.full((20, 97), float("nan"), dtype=dtype)
+    for kernel in (loss_and_logit_grad, fusable_loss_and_logit_grad):
+        other_loss, other_grad = kernel(logits, targets)
+        assert torch.equal(other_loss, loss) and torch.equal(other_grad, grad)
+        into_loss, written = kernel(logits, targets, buffer[4:17])
+        assert torch.equal(into_loss, loss) and torch.equal(buffer[4:17], grad)
+        assert written.data_ptr() == buffer[4:17].data_ptr()
+        assert buffer[:4].isnan().all() and buffer[17:].isnan().all()
+
+
+def test_compiled_heads_write_each_chunks_gradient_into_its_group():
+    """``compile_loss_heads``' compiled chunk kernel writes each chunk's logit gradient into
+    its group's buffer (groups of three chunks, a shorter last group, a shorter last chunk):
+    the loss and gradients match the float64 reference."""
+    from torchtitan_omni.distributed.compile import compile_loss_heads
+
+    torch.manual_seed(7)
+    head = LinearHead(24, 97, bias=False)
+    assert compile_loss_heads(torch.nn.Sequential(head), "inductor") == 1
+    x = torch.randn(50, 24, requires_grad=True)
+    t = torch.randint(0, 97, (50,))
+    loss = linear_cross_entropy(x, head.weight, t, rows=7, group=21, kernel=head.loss_kernel,
+                                sums=head.weight_grad_sum)
+    loss.backward()
+    ref_loss, ref_h, ref_w, _ = _reference(x, head.weight, None, t)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), ref_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head.weight.grad.double(), ref_w, rtol=1e-5, atol=1e-6)

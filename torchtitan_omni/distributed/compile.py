@@ -40,7 +40,7 @@ from torchtitan_omni.modules.linear_cross_entropy import (
     EAGER_SUM,
     LinearHead,
     WeightGradSum,
-    loss_and_logit_grad,
+    fusable_loss_and_logit_grad,
 )
 
 #: compiled code objects are shared by all blocks that run the same forward (one mixin's
@@ -86,7 +86,7 @@ def compile_units(units: list[nn.Module], backend: str, graph_breaks: bool | Non
 def compile_loss_heads(model: nn.Module, backend: str) -> int:
     """Use a compiled chunk kernel and compiled weight-gradient passes in every
     ``LinearHead``; returns how many heads."""
-    kernel = torch.compile(loss_and_logit_grad, backend=backend)
+    kernel = torch.compile(fusable_loss_and_logit_grad, backend=backend)
     # a head's weight keeps its shape: a graph per head shape, sizes fixed (no bounds masks)
     sums = WeightGradSum(*(torch.compile(f, backend=backend, fullgraph=True, dynamic=False)
                            for f in EAGER_SUM))
