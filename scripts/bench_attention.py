@@ -266,6 +266,16 @@ def _compiled_flex():
 
 
 # ----------------------------------------------------------------- timing
+def cuda_unless_smoke(script: str, smoke: bool) -> bool:
+    """Whether a benchmark runs on the GPU: not with ``--smoke`` (the CPU check of the
+    script); without it, a machine with no GPU ends ``script`` with one line (exit 1)."""
+    if smoke:
+        return False
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA GPU (use --smoke for a CPU check)")
+    return True
+
+
 def time_passes(step: Callable[..., None], iters: int, warmup: int, cuda: bool,
                 prepare: Callable[[], tuple] = tuple) -> tuple[float, float]:
     """Median (device ms, host ms) of ``step(*prepare())``: the host's from the call to its
@@ -347,10 +357,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     p.add_argument("--only", default="", help="run the cases whose name contains this text")
     args = p.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        print("bench_attention: no CUDA device (use --smoke for a CPU check)", file=sys.stderr)
-        sys.exit(2)
+    device = "cuda" if cuda_unless_smoke("bench_attention", args.smoke) else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []
     cases = [c for c in layouts(args.smoke) if args.only in c["name"]]

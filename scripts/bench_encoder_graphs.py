@@ -36,7 +36,7 @@ from torchtitan_omni.modules.init import init_context
 from torchtitan_omni.protocols.modules import AttentionMeta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling scripts
-from bench_attention import time_passes  # the benchmarks' one timer
+from bench_attention import cuda_unless_smoke, time_passes  # the benchmarks' one timer
 
 #: (name, grid_thw rows) of each case
 CASES = {
@@ -152,9 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="a tiny tower on CPU (eager only)")
     args = p.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        sys.exit("bench_encoder_graphs: needs a CUDA GPU (use --smoke for a CPU check)")
+    cuda = cuda_unless_smoke("bench_encoder_graphs", args.smoke)
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     tower_args = VisionArgs() if cuda else VisionArgs.debug()

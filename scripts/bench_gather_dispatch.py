@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling scripts
-from bench_attention import time_passes  # the benchmarks' one timer
+from bench_attention import cuda_unless_smoke, time_passes  # the benchmarks' one timer
 
 
 def _inputs(degree, tokens, dim, experts, top_k, dtype, device, seed):
@@ -148,14 +148,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--smoke", action="store_true",
                         help="CPU check: small shapes, float32, eager")
     args = parser.parse_args(argv)
-    if args.smoke:
+    if cuda_unless_smoke("bench_gather_dispatch", args.smoke):
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    else:
         device, dtype = torch.device("cpu"), torch.float32
         args.tokens, args.dim, args.hidden, args.experts, args.top_k = 16, 16, 8, 8, 2
         args.no_compile = True
-    elif torch.cuda.is_available():
-        device, dtype = torch.device("cuda"), torch.bfloat16
-    else:
-        raise SystemExit("bench_gather_dispatch: needs a CUDA GPU (use --smoke for a CPU check)")
     rows = [run(d, args, device, dtype) for d in (args.degree or [2, 4, 8])]
     print(f"One rank's gather-dispatch work, {args.tokens} tokens a rank, D {args.dim}, "
           f"H {args.hidden}, {args.experts} experts, top {args.top_k}, {dtype}, "

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling scripts
-from bench_attention import time_passes  # the benchmarks' one timer
+from bench_attention import cuda_unless_smoke, time_passes  # the benchmarks' one timer
 
 from torchtitan_omni.modules.linear_cross_entropy import (
     chunk_rows,
@@ -56,10 +56,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="a small chunk on the CPU")
     args = p.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("bench_loss_chunk: needs a CUDA GPU (use --smoke for a CPU check)", file=sys.stderr)
-        raise SystemExit(1)
+    cuda = cuda_unless_smoke("bench_loss_chunk", args.smoke)
     vocab = 97 if args.smoke else args.vocab
     rows = 13 if args.smoke else (args.rows or chunk_rows(vocab))
     device = "cuda" if cuda else "cpu"

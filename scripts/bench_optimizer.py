@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling scripts
+from bench_attention import cuda_unless_smoke  # the benchmarks' GPU check
 
 #: bytes an ideal kernel moves per fp32 parameter: AdamW (read p, g, m, v; write p, m, v),
 #: the clipping norm (read g) and the clipping scale (read and write g)
@@ -186,12 +188,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU check: the debug flavor, 2 foundation layers")
     args = parser.parse_args(argv)
     worlds = args.world or [2]
-    if args.smoke:
-        device, args.flavor, args.llm_layers, args.iters = torch.device("cpu"), "debugmodel", 2, 2
-    elif torch.cuda.is_available():
+    if cuda_unless_smoke("bench_optimizer", args.smoke):
         device = torch.device("cuda")
     else:
-        raise SystemExit("bench_optimizer: needs a CUDA GPU (use --smoke for a CPU check)")
+        device, args.flavor, args.llm_layers, args.iters = torch.device("cpu"), "debugmodel", 2, 2
     print(f"{args.spec} {args.flavor}, {args.llm_layers or 'all'} foundation layers, fp32 "
           f"parameters and moments, AdamW fused (lr 1e-5, betas 0.9/0.95, weight decay 0.1), "
           f"clipping at max_norm 1.0 (foreach); median of {args.iters} runs, ms and GB/s\n")

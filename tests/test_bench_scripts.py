@@ -616,6 +616,8 @@ def test_attention_benchmark_smoke_times_device_and_host_and_checks_against_refe
     # grouped k/v heads are offered to cuDNN as they are where the heads differ
     assert ("llm single doc", "sdpa_cudnn_kv_heads") in {(r["case"], r["kernel"]) for r in rows}
     assert "sdpa_cudnn_kv_heads" not in {r["kernel"] for r in rows if r["case"] == "vision items"}
+    if not torch.cuda.is_available():
+        _refuses_without_a_gpu("bench_attention")
 
 
 def test_attention_benchmark_runs_the_cases_it_is_asked_for():
@@ -772,6 +774,8 @@ def test_optimizer_benchmark_times_a_ranks_shard(capsys):
         f"{sum(bench.shard_numels('qwen3_moe_omni', 'debugmodel', 2, n)) / 1e6:,.1f}M"
         for n in (2, 4)]
     assert all(float(r[2]) > 0 and min(map(float, r[3:8])) >= 0 for r in rows)  # ms
+    if not torch.cuda.is_available():
+        _refuses_without_a_gpu("bench_optimizer")
 
 
 def test_trace_summary_leaves_the_previous_steps_tail_out_of_its_kernel_totals(tmp_path):
