@@ -43,6 +43,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -1068,6 +1069,9 @@ def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "")
         # the mean, for the fixed part (fixed_parts): the 8K and 16K points run the same rows,
         # and a median of a few steps moves with which rows it lands on
         row["step_mean_s"] = statistics.fmean(s["step_s"] for s in timed)
+        row["steps_timed"] = len(timed)
+        if len(timed) > 1:  # how far the mean may be off: the fixed part's standard error
+            row["step_sd_s"] = statistics.stdev(s["step_s"] for s in timed)
     # timed steps in which some rank compiled a graph (the line's count grew): such a step
     # waits for the compile on every rank
     counts = {s["step"]: s["graphs"] for s in steps if "graphs" in s}
@@ -1204,7 +1208,8 @@ def fixed_parts(rows: list[dict]) -> list[dict]:
     """What of a step does not grow with tokens (issue 12): for each row with a twin at twice
     its sequence length (the same name with ``_8k`` for ``_16k``, say), ``2 x short - long``
     from their mean step times (``step_mean_s``), in seconds and as a share of the short
-    step."""
+    step, with the timed steps of each and the fixed part's standard error from the steps'
+    spread (None where a point timed one step)."""
     by_name = {r["name"]: r for r in rows if r.get("step_mean_s")}
     pairs = []
     for short in by_name.values():
@@ -1213,9 +1218,15 @@ def fixed_parts(rows: list[dict]) -> list[dict]:
         if long is None or long is short or long["seq_len"] != 2 * short["seq_len"]:
             continue
         fixed = 2 * short["step_mean_s"] - long["step_mean_s"]
+        stderr = None
+        if "step_sd_s" in short and "step_sd_s" in long:
+            stderr = math.sqrt(4 * short["step_sd_s"] ** 2 / short["steps_timed"]
+                               + long["step_sd_s"] ** 2 / long["steps_timed"])
         pairs.append({"short": short["name"], "long": long["name"],
                       "short_s": short["step_mean_s"], "long_s": long["step_mean_s"],
-                      "fixed_s": fixed, "share": fixed / short["step_mean_s"]})
+                      "fixed_s": fixed, "share": fixed / short["step_mean_s"],
+                      "steps": (short.get("steps_timed"), long.get("steps_timed")),
+                      "stderr_s": stderr})
     return pairs
 
 
@@ -1262,11 +1273,14 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
     pairs = fixed_parts(rows)
     if pairs:
         lines += ["", "| short point | long point | mean step, short (ms) | mean step, long (ms) "
-                  "| fixed part: 2 x short - long (ms) | of the short step |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| fixed part: 2 x short - long (ms) | of the short step | timed steps "
+                  "(short, long) | standard error (ms) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {p['short']} | {p['long']} | {1000 * p['short_s']:.1f} | "
                   f"{1000 * p['long_s']:.1f} | {1000 * p['fixed_s']:.1f} | "
-                  f"{100 * p['share']:.1f}% |" for p in pairs]
+                  f"{100 * p['share']:.1f}% | {p['steps'][0]}, {p['steps'][1]} | "
+                  + ("-" if p["stderr_s"] is None else f"{1000 * p['stderr_s']:.1f}") + " |"
+                  for p in pairs]
     lines += ["", "Commands:", ""]
     lines += [f"- `{r['name']}`: `{r['command']}`" for r in rows]
     return "\n".join(lines) + "\n"

@@ -132,8 +132,16 @@ def test_fixed_part_of_a_point_and_its_twice_as_long_twin():
     (pair,) = bench.fixed_parts([short, long, other])
     assert pair["short"] == "moe_12L_8k_text" and pair["long"] == "moe_12L_16k_text"
     assert abs(pair["fixed_s"] - 0.05) < 1e-9 and abs(pair["share"] - 0.05 / 0.18) < 1e-9
+    # timed steps 3, 4, 10 (variance 7e-4) and 3-5 (1e-4): sqrt(4 x 7e-4 / 3 + 1e-4 / 3)
+    assert pair["steps"] == (3, 3) and abs(pair["stderr_s"] - (29e-4 / 3) ** 0.5) < 1e-9
     text = bench.table([short, long, other], "test")
-    assert "| moe_12L_8k_text | moe_12L_16k_text | 180.0 | 310.0 | 50.0 | 27.8% |" in text
+    assert ("| moe_12L_8k_text | moe_12L_16k_text | 180.0 | 310.0 | 50.0 | 27.8% | 3, 3 | "
+            "31.1 |") in text
+    # a point timed one step has no spread: no standard error
+    one = row("moe_12L_16k_text", 16384, [9.0, 5.0, 0.30])
+    (single,) = bench.fixed_parts([short, one])
+    assert single["stderr_s"] is None and single["steps"] == (3, 1)
+    assert "| 3, 1 | - |" in bench.table([short, one], "test")
     assert "fixed part" not in bench.table([other], "test")
 
 
