@@ -9,7 +9,10 @@
 # do not tell it apart), waits WAIT_S seconds, then records DURATION_S seconds of Python stacks
 # of every thread at 100 Hz (OUT_DIR/pyspy_py.txt) and DURATION_S seconds with native frames at
 # 40 Hz (OUT_DIR/pyspy_native.txt), py-spy's raw (collapsed) format, which
-# scripts/summarize_pyspy.py reads. PY_SPY names the py-spy binary (default: py-spy on PATH).
+# scripts/summarize_pyspy.py reads. PY_SPY names the py-spy binary (default: py-spy on PATH; on
+# the offline GPU hosts from its wheel: bash ../shared/gpu-host/wheels.sh py-spy here, then
+# PATH=/tmp/site/bin:$PATH there). A compiled point's rank 0 starts about 45 s before its first
+# step ends: give WAIT_S 75 or more to sample steady state.
 set -uo pipefail
 out=${1:?usage: pyspy_rank0.sh OUT_DIR [WAIT_S] [DURATION_S]}
 wait_s=${2:-45}

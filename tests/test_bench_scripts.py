@@ -736,9 +736,9 @@ def test_ep4_rank_flavor_of_the_moe_and_its_one_gpu_points():
 
 def test_fixed_part_and_float8_points():
     """The MoE text points that split the step's fixed part (issue 12) set one AC mode each and
-    the exchange they name, and the bf16 expert weights' pair carries its flags; each float8
-    point of the 2- and 4-GPU plans is its bf16 compiled point's command with the float8 flags
-    added."""
+    the exchange they name, and the bf16 expert weights' points carry their flags and time 27
+    steps; each float8 point of the 2- and 4-GPU plans is its bf16 compiled point's command
+    with the float8 flags added."""
     bench = _script("bench_scaling")
     for plan in ("moe_2gpu", "moe_4gpu"):
         fixed = [p for p in bench.PLANS[plan] if p.name.endswith(("text_exact_no_ac",
@@ -749,13 +749,18 @@ def test_fixed_part_and_float8_points():
             modes = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--activation_checkpoint.mode"]
             assert modes == (["none"] if p.name.endswith("no_ac") else ["full"]), (p.name, modes)
             assert (bench.NVSHMEM[1] in cmd) == p.name.endswith("nvshmem"), p.name
-        # the experts' weights in bf16: the gather pair with the compiled update, no copies
+        # the experts' weights in bf16: the gather pair with the compiled update, no copies,
+        # 27 timed steps a point; on 2 GPUs also the realistic rows with the same settings
         w16 = [p for p in bench.PLANS[plan] if p.name.endswith("_w16_m16")]
-        assert sorted(p.seq_len for p in w16) == [8192, 16384], plan
+        text = [p for p in w16 if "_text_" in p.name]
+        assert sorted(p.seq_len for p in text) == [8192, 16384], plan
+        assert [p.seq_len for p in w16 if "_realistic_" in p.name] == (
+            [8192] if plan == "moe_2gpu" else []), plan
         for p in w16:
             cmd = p.command()
             assert "--optimizer.expert_weights_dtype" in cmd and "--optimizer.moments_dtype" in cmd
             assert "--parallelism.expert_compute_copies" not in cmd and "_gather_" in p.name
+            assert (p.steps, p.warmup) == (30, 3) and p.compile, p.name
     for plan in ("omni_2gpu", "llama_4gpu"):
         by = {p.name: p for p in bench.PLANS[plan]}
         float8 = [p for p in by.values() if p.name.endswith("_float8")]
