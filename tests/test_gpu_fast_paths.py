@@ -574,7 +574,10 @@ def test_local_copies_triton_kernels_match_torch_on_cuda(dtype):
     """The gather dispatch's row maps (``modules.local_copies``) on CUDA: the Triton kernels
     against torch's implementation at an EP4 rank's shape (a quarter of the buffer used, NaN
     in the rest, which the kernels never read), and the dispatcher's local work compiled with
-    them against torch's ops over the whole buffer, forward and backward."""
+    them (inductor launching their kernels itself: no call of the operators in its code)
+    against torch's ops over the whole buffer, forward and backward."""
+    from torch._inductor.utils import run_and_get_code
+
     from torchtitan_omni.distributed.expert_gather import GatherExpertParallelDispatcher
     from torchtitan_omni.modules import local_copies as lc
     from torchtitan_omni.modules.init import init_context
@@ -621,7 +624,12 @@ def test_local_copies_triton_kernels_match_torch_on_cuda(dtype):
         work = torch.compile(GatherExpertParallelDispatcher(Group(), 32, 512,
                                                             kernels=kernels).run_local,
                              fullgraph=True)
-        out = work(experts, xi, wi, ids)
+        out, code = run_and_get_code(work, experts, xi, wi, ids)
+        if kernels:  # inductor launches the row maps' kernels from its own code
+            source = "\n".join(code)
+            assert "_rows_below_kernel" in source and "_rowwise_kernel" in source
+            assert not [op for op in ("rows_below", "slot_sums", "swiglu_rows", "add_rows")
+                        if f"torch.ops.torchtitan_omni.{op}" in source]
         out.backward(upstream)
         results.append([out, xi.grad, wi.grad, experts.w1.grad, experts.w2.grad])
     tol = BF16_REL if dtype == torch.bfloat16 else 1e-5

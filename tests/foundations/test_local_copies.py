@@ -182,6 +182,47 @@ def test_dispatcher_local_work_is_the_same_with_the_row_maps(rank):
         torch.testing.assert_close(a, b)
 
 
+def test_compiled_code_sees_through_the_row_maps():
+    """Under ``torch.compile`` the row maps are not opaque: AOT autograd decomposes them
+    (``torch.library.triton_op``; on CUDA inductor then launches their Triton kernels from its
+    own code), so neither the forward nor the backward graph calls a ``torchtitan_omni``
+    operator, and the compiled gather, SwiGLU, fork and combine give eager's values and
+    gradients (float64, CPU: torch's implementation inlined)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    def step(x, weights, order, inverse, count):
+        rows = gather_copies(x, order, inverse, count, TOP_K)
+        a, b = fork_rows(rows, count)
+        return combine_copies(swiglu_rows(a, b * 0.5, count), weights, order, inverse, count)
+
+    _, order, inverse, count = _routing(3, 2, 4)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(TOKENS, DIM, generator=g, dtype=torch.float64)
+    weights = torch.rand(TOKENS, TOP_K, generator=g, dtype=torch.float64)
+    upstream = torch.randn(TOKENS, DIM, generator=g, dtype=torch.float64)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                             fullgraph=True)
+    results = []
+    for run in (step, compiled):
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = run(xi, wi, order, inverse, count)
+        (out * upstream).sum().backward()
+        results.append((out, xi.grad, wi.grad))
+    assert len(graphs) == 2  # the forward and the backward
+    called = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert not [t for t in called if "torchtitan_omni" in t], called
+    assert results[0][0].abs().sum() > 0
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want)
+
+
 _INTERPRETED = textwrap.dedent("""
     import torch
     from torchtitan_omni.modules import local_copies as lc

@@ -12,8 +12,13 @@ step (docs/performance.md, twenty-sixth session), three quarters of it on rows n
 The kernels here read and write the used rows only: a row or slot past ``count`` is a masked
 load and store, which moves no memory.
 
-Three maps, each a custom operator (one opaque node to ``torch.compile``; no host read of
-``count``), with Triton kernels on CUDA and torch's ops elsewhere:
+Three maps, each an operator made with ``torch.library.triton_op`` (no host read of
+``count``), with Triton kernels on CUDA and torch's ops elsewhere. Why ``triton_op`` and not an
+opaque custom operator: under ``torch.compile`` inductor sees through it and launches the
+kernels from its own generated code. An opaque operator went through the dispatcher, the
+operator's autograd wrapper and Triton's Python launcher on every call (eleven calls a MoE
+layer and step): on 2x H200 the 8K EP2 step is bound by its host, and py-spy put about a sixth
+of the host's time there (docs/performance.md, thirty-ninth session).
 
 - :func:`rows_below`: ``out[i] = src[index[i]] * scale[i]`` for ``i < count``. Rows past
   ``count`` are left unwritten on CUDA (zero elsewhere): nothing reads them. Grouped GEMM
@@ -38,6 +43,7 @@ over every row).
 from __future__ import annotations
 
 import torch
+from torch.library import triton_op, wrap_triton
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
     import triton
@@ -204,14 +210,24 @@ def _rowwise_triton(op: int, a, b, count, grad=None, out=None):
     a, b = a.contiguous(), b.contiguous()
     if out is None:  # as in _rows_below_triton
         out = torch.empty_like(a)
-    out2 = torch.empty_like(b) if op == 1 else out
+    # the kernel writes out2 for op 1 only; the others get a read-only input in its place, so
+    # that no argument it writes aliases another (inductor clones the arguments it writes)
+    out2 = torch.empty_like(b) if op == 1 else b
     if a.numel():
         width = a.shape[1]
         block = _block(width)
-        _rowwise_kernel[(triton.cdiv(a.shape[0], TILE_ROWS), triton.cdiv(width, block))](
+        _launchable(_rowwise_kernel)[(triton.cdiv(a.shape[0], TILE_ROWS),
+                                      triton.cdiv(width, block))](
             a, b, a if grad is None else grad.contiguous(), out, out2, count, a.shape[0], width,
             OP=op, ROWS=TILE_ROWS, BLOCK=block)
     return (out, out2) if op == 1 else out
+
+
+def _launchable(kernel):
+    """``kernel`` wrapped for ``torch.library.triton_op`` (inductor launches it from its own
+    code); under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests) the kernel as it
+    is, which torch 2.11's ``wrap_triton`` refuses."""
+    return wrap_triton(kernel) if isinstance(kernel, triton.runtime.jit.JITFunction) else kernel
 
 
 #: rows per program of the row-wise kernels
@@ -229,9 +245,10 @@ def _rows_below_triton(src, index, scale, count, out=None):
     if out.numel():
         block = _block(src.shape[1])
         grid = (triton.cdiv(index.numel(), TILE_ROWS), triton.cdiv(src.shape[1], block))
-        _rows_below_kernel[grid](src, index, index if scale is None else scale.contiguous(),
-                                 out, count, index.numel(), src.shape[1],
-                                 HAS_SCALE=scale is not None, ROWS=TILE_ROWS, BLOCK=block)
+        _launchable(_rows_below_kernel)[grid](
+            src, index, index if scale is None else scale.contiguous(), out, count,
+            index.numel(), src.shape[1], HAS_SCALE=scale is not None, ROWS=TILE_ROWS,
+            BLOCK=block)
     return out
 
 
@@ -241,9 +258,9 @@ def _slot_sums_triton(src, pos, count, weights, top_k):
     if out.numel():
         block = _block(src.shape[1])
         grid = (tokens, triton.cdiv(src.shape[1], block))
-        _slot_sums_kernel[grid](src, pos, pos if weights is None else weights.contiguous(), out,
-                                count, src.shape[1], TOP_K=top_k,
-                                HAS_WEIGHTS=weights is not None, BLOCK=block)
+        _launchable(_slot_sums_kernel)[grid](
+            src, pos, pos if weights is None else weights.contiguous(), out, count,
+            src.shape[1], TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK=block)
     return out
 
 
@@ -252,14 +269,15 @@ def _slot_dots_triton(src, other, pos, count, top_k):
     out = torch.empty((tokens, top_k), dtype=torch.float32, device=src.device)
     if out.numel():
         block = _block(src.shape[1])
-        _slot_dots_kernel[(tokens,)](src, other, pos, out, count, src.shape[1], TOP_K=top_k,
-                                     BLOCK=block, BLOCKS=triton.cdiv(src.shape[1], block))
+        _launchable(_slot_dots_kernel)[(tokens,)](
+            src, other, pos, out, count, src.shape[1], TOP_K=top_k, BLOCK=block,
+            BLOCKS=triton.cdiv(src.shape[1], block))
     return out
 
 
 # ---------------------------------------------------------------- the operators
 
-@torch.library.custom_op("torchtitan_omni::rows_below", mutates_args=())
+@triton_op("torchtitan_omni::rows_below", mutates_args=())
 def rows_below(src: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None,
                count: torch.Tensor) -> torch.Tensor:
     """``[len(index), D]``: ``src[index[i]]`` (times ``scale[i]`` in float32, or float64, if
@@ -269,12 +287,7 @@ def rows_below(src: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | Non
     return run(src, index, scale, count)
 
 
-@rows_below.register_fake
-def _rows_below_fake(src, index, scale, count):
-    return src.new_empty((index.shape[0], src.shape[1]))
-
-
-@torch.library.custom_op("torchtitan_omni::slot_sums", mutates_args=())
+@triton_op("torchtitan_omni::slot_sums", mutates_args=())
 def slot_sums(src: torch.Tensor, pos: torch.Tensor, count: torch.Tensor,
               weights: torch.Tensor | None, top_k: int) -> torch.Tensor:
     """``[len(pos) / top_k, D]``: per token, the sum over its slots below ``count`` of
@@ -285,12 +298,7 @@ def slot_sums(src: torch.Tensor, pos: torch.Tensor, count: torch.Tensor,
     return run(src, pos, count, weights, top_k)
 
 
-@slot_sums.register_fake
-def _slot_sums_fake(src, pos, count, weights, top_k):
-    return src.new_empty((pos.shape[0] // top_k, src.shape[1]))
-
-
-@torch.library.custom_op("torchtitan_omni::slot_dots", mutates_args=())
+@triton_op("torchtitan_omni::slot_dots", mutates_args=())
 def slot_dots(src: torch.Tensor, other: torch.Tensor, pos: torch.Tensor, count: torch.Tensor,
               top_k: int) -> torch.Tensor:
     """``[len(pos) / top_k, top_k]`` in float32 (float64 for float64 ``src``): ``src[pos[t *
@@ -298,11 +306,6 @@ def slot_dots(src: torch.Tensor, other: torch.Tensor, pos: torch.Tensor, count: 
     src, other, pos = src.contiguous(), other.contiguous(), pos.contiguous()
     run = _slot_dots_triton if _kernels_take(src) else _slot_dots_torch
     return run(src, other, pos, count, top_k)
-
-
-@slot_dots.register_fake
-def _slot_dots_fake(src, other, pos, count, top_k):
-    return src.new_empty((pos.shape[0] // top_k, top_k), dtype=_sum_dtype(src.dtype))
 
 
 # ---------------------------------------------------------------- differentiable steps
@@ -360,7 +363,7 @@ def combine_copies(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
     return _CombineCopies.apply(y, weights, order, inverse, count)
 
 
-@torch.library.custom_op("torchtitan_omni::swiglu_rows", mutates_args=())
+@triton_op("torchtitan_omni::swiglu_rows", mutates_args=())
 def swiglu_rows(a: torch.Tensor, b: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b`` (``[M, H]``, float32 inside, one rounding) for the rows below ``count``;
     the rest unwritten on CUDA, zero elsewhere."""
@@ -369,23 +372,13 @@ def swiglu_rows(a: torch.Tensor, b: torch.Tensor, count: torch.Tensor) -> torch.
     return _swiglu_torch(a, b, count)
 
 
-@swiglu_rows.register_fake
-def _swiglu_rows_fake(a, b, count):
-    return torch.empty_like(a)
-
-
-@torch.library.custom_op("torchtitan_omni::swiglu_rows_backward", mutates_args=())
+@triton_op("torchtitan_omni::swiglu_rows_backward", mutates_args=())
 def swiglu_rows_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                          count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of :func:`swiglu_rows` for ``a`` and ``b`` over the rows below ``count``."""
     if _kernels_take(a):
         return _rowwise_triton(1, a, b, count, grad)
     return _swiglu_backward_torch(grad, a, b, count)
-
-
-@swiglu_rows_backward.register_fake
-def _swiglu_rows_backward_fake(grad, a, b, count):
-    return torch.empty_like(a), torch.empty_like(b)
 
 
 def _swiglu_setup(ctx, inputs, output) -> None:
@@ -402,18 +395,13 @@ def _swiglu_backward(ctx, grad):
 swiglu_rows.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
-@torch.library.custom_op("torchtitan_omni::add_rows", mutates_args=())
+@triton_op("torchtitan_omni::add_rows", mutates_args=())
 def add_rows(a: torch.Tensor, b: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """``a + b`` for the rows below ``count`` (float32 inside); the rest unwritten on CUDA,
     zero elsewhere."""
     if _kernels_take(a):
         return _rowwise_triton(2, a, b, count)
     return _add_rows_torch(a, b, count)
-
-
-@add_rows.register_fake
-def _add_rows_fake(a, b, count):
-    return torch.empty_like(a)
 
 
 class _ForkRows(torch.autograd.Function):
