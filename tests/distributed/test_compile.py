@@ -162,8 +162,9 @@ def test_compile_off_compiles_nothing():
 
 @pytest.mark.slow
 def test_run_train_compiled_matches_eager_with_gather_dispatch():
-    """EP2 with the gather dispatch (no host read): the MoE blocks compiled (their experts
-    outside FSDP under full AC) train the eager losses."""
+    """EP2 with the gather dispatch (no host read): the MoE blocks compiled, each as one graph
+    with its checkpoint inside (their experts outside FSDP under full AC: no FSDP hooks
+    around them), train the eager losses."""
     config = REPO / "train_configs" / "qwen3_moe_omni_debug.toml"
     common = ("--training.steps", "3", "--lr_scheduler.warmup_steps", "2",
               "--debug.deterministic", "--debug.seed", "42",
@@ -180,6 +181,9 @@ def test_run_train_compiled_matches_eager_with_gather_dispatch():
         runs[tag] = run
     assert "compiled graphs:" in runs["compiled"].output
     assert "Experts outside FSDP" in runs["compiled"].output
+    # one graph a block: nothing compiled in pieces before the checkpoint
+    assert "torch.compile: llm: 2" in runs["compiled"].output, runs["compiled"].output[-3000:]
+    assert "with graph breaks" not in runs["compiled"].output
     for step in (1, 2, 3):
         assert abs(runs["compiled"].losses[step] - runs["eager"].losses[step]) <= 2e-5, (
             runs["eager"].losses, runs["compiled"].losses)

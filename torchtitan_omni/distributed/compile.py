@@ -14,8 +14,9 @@ times and never again. :func:`compiled_graphs` counts the compilations; the trai
 their sum over the ranks (``compile/graphs``, "compiled graphs" on the console).
 
 A block whose forward cannot be one graph says so with ``compile_fullgraph`` False (an MoE
-block under expert parallel: its experts are usually an FSDP unit of their own, whose hooks
-dynamo never traces, and the exact dispatcher reads split sizes on the host). It is compiled in
+block whose experts are an FSDP unit of their own, whose hooks dynamo never traces, or whose
+dispatcher reads split sizes on the host; with its experts left out of FSDP and the gather or
+capacity dispatch it is one graph, its recompute inside the compiled backward). It is compiled in
 pieces with graph breaks, and *before* activation checkpointing (``compile_units(...,
 graph_breaks=True)``), so the checkpoint wraps the compiled pieces: dynamo cannot split a
 checkpointed region, and a graph break inside one would run the whole block eagerly. Its

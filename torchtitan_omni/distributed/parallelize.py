@@ -201,9 +201,9 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard,
                     offload_policy=offload, ignored_params=ignored or None, **kwargs)
 
-    if expert_names and experts_outside_fsdp(dims, job_config):
-        for name in expert_names:
-            grouped = cast(GroupedExperts, model.get_submodule(name))
+    outside = [cast(GroupedExperts, model.get_submodule(name)) for name in expert_names]
+    if outside and all(grouped.outside_fsdp for grouped in outside):
+        for grouped in outside:
             grouped.compute_dtype = mp.param_dtype
             ignored.update(grouped.parameters())
         logger.info(f"Experts outside FSDP (EP{dims.ep} over every data and SP rank: each "
@@ -417,6 +417,10 @@ def parallelize_omni(
     apply_encoder_modes(model, dims, job_config)
 
     expert_names = apply_expert_dispatch(model, plan, dims, job_config)
+    if expert_names and experts_outside_fsdp(dims, job_config):
+        # before compiling: a block whose experts skip FSDP compiles as one graph
+        for name in expert_names:
+            cast(GroupedExperts, model.get_submodule(name)).outside_fsdp = True
 
     # Blocks that break the graph are compiled inside their activation checkpoint, the others
     # around it (torchtitan_omni.distributed.compile). Per-op selective AC cannot run compiled

@@ -69,11 +69,12 @@ class Qwen3MoeBlock(PreNormBlock):
     @property
     def compile_fullgraph(self) -> bool:
         """One graph, unless the dispatcher reads split sizes on the host (the exact
-        expert-parallel all-to-all) or the experts are sharded over ``ep`` (then they are
-        usually an FSDP unit of their own, whose hooks dynamo never traces; where they skip
-        FSDP they are still compiled in pieces, untried as one graph): ``torch.compile`` then
-        breaks the graph there."""
-        return not self.moe.dispatcher.host_sync and not isinstance(self.moe.experts.w1, DTensor)
+        expert-parallel all-to-all) or the experts are an FSDP unit of their own (sharded over
+        ``ep`` and not left out of FSDP), whose hooks dynamo never traces: ``torch.compile``
+        then breaks the graph there."""
+        experts = self.moe.experts
+        own_fsdp_unit = isinstance(experts.w1, DTensor) and not experts.outside_fsdp
+        return not self.moe.dispatcher.host_sync and not own_fsdp_unit
 
     def forward(self, x: torch.Tensor, meta: AttentionMeta) -> tuple[torch.Tensor, RoutingStats]:
         x = x + self.attention(self.attention_norm(x), meta)

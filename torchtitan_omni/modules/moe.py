@@ -199,6 +199,10 @@ class GroupedExperts(nn.Module):
         #: the parameters (``torchtitan_omni.distributed.parallelize``); None: as they come,
         #: or bfloat16 under CUDA autocast
         self.compute_dtype: torch.dtype | None = None
+        #: set by the framework where expert parallel leaves these experts out of FSDP (each
+        #: expert on one rank: ``distributed.parallelize.experts_outside_fsdp``), so no FSDP
+        #: hooks run around them and their block can compile as one graph
+        self.outside_fsdp = False
 
     @property
     def num_local_experts(self) -> int:
