@@ -16,13 +16,14 @@ and dropped copies per layer and expert, which the trainer logs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan_omni.foundations.hf_adapters import Qwen3MoeHFAdapter
 from torchtitan_omni.foundations.qwen3 import qwen3_attention
-from torchtitan_omni.modules.moe import MoE, RoutingStats, load_balancing_loss
+from torchtitan_omni.modules.moe import GroupedExperts, MoE, RoutingStats, load_balancing_loss
 from torchtitan_omni.modules.rope import RotaryEmbedding
 from torchtitan_omni.foundations.decoder import DecoderLM, DecoderLMArgs, PreNormBlock
 from torchtitan_omni.protocols.modules import AttentionMeta
@@ -72,7 +73,7 @@ class Qwen3MoeBlock(PreNormBlock):
         expert-parallel all-to-all) or the experts are an FSDP unit of their own (sharded over
         ``ep`` and not left out of FSDP), whose hooks dynamo never traces: ``torch.compile``
         then breaks the graph there."""
-        experts = self.moe.experts
+        experts = cast(GroupedExperts, self.moe.experts)
         own_fsdp_unit = isinstance(experts.w1, DTensor) and not experts.outside_fsdp
         return not self.moe.dispatcher.host_sync and not own_fsdp_unit
 
