@@ -201,18 +201,18 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard,
                     offload_policy=offload, ignored_params=ignored or None, **kwargs)
 
-    outside = [cast(GroupedExperts, model.get_submodule(name)) for name in expert_names]
-    if outside and all(grouped.outside_fsdp for grouped in outside):
-        for grouped in outside:
-            grouped.compute_dtype = mp.param_dtype
-            ignored.update(grouped.parameters())
+    # parallelize_omni marks them (GroupedExperts.outside_fsdp) before compiling
+    all_experts = [cast(GroupedExperts, model.get_submodule(name)) for name in expert_names]
+    if all_experts and all(experts.outside_fsdp for experts in all_experts):
+        for experts in all_experts:
+            experts.compute_dtype = mp.param_dtype
+            ignored.update(experts.parameters())
         logger.info(f"Experts outside FSDP (EP{dims.ep} over every data and SP rank: each "
                     f"expert on one rank), computing in {mp.param_dtype}")
-    elif expert_names:
+    elif all_experts:
         emesh = dims.expert_mesh()
         efsdp = dims.get_mesh("efsdp").size()
-        for name in expert_names:
-            experts = model.get_submodule(name)
+        for experts in all_experts:
             params = list(experts.parameters(recurse=False))
             local = params[0].shape[0] // dims.ep
             shard(experts, emesh, shard_placement_fn=_expert_shard_placement(local, efsdp, params))
