@@ -236,6 +236,14 @@ def test_expert_dispatch_chunks_need_capacity(check_here):
     assert "parallelism.expert_dispatch_chunks must be >= 1" in line
 
 
+def test_llm_blocks_per_fsdp_unit_checked(check_here):
+    line = _one_error_line(check_here(["--parallelism.llm_blocks_per_fsdp_unit", "0"], ngpu=2))
+    assert "parallelism.llm_blocks_per_fsdp_unit must be >= 1, got 0" in line
+    # one rank: no FSDP units to group, refused rather than ignored
+    line = _one_error_line(check_here(["--parallelism.llm_blocks_per_fsdp_unit", "2"]))
+    assert "llm_blocks_per_fsdp_unit is 2 but the LLM is not FSDP-sharded" in line
+
+
 def test_ulysses_async_head_chunks_checked(check_here):
     line = _one_error_line(check_here(["--parallelism.ulysses_async_head_chunks", "2"]))
     assert "ulysses_async_head_chunks is 2 but ulysses_async is off" in line

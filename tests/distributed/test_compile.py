@@ -164,16 +164,18 @@ def test_compile_off_compiles_nothing():
 def test_run_train_compiled_matches_eager_with_gather_dispatch():
     """EP2 with the gather dispatch (no host read): the MoE blocks compiled, each as one graph
     with its checkpoint inside (their experts outside FSDP under full AC: no FSDP hooks
-    around them), train the eager losses."""
+    around them), train the eager losses; so do they with both blocks one FSDP unit
+    (``parallelism.llm_blocks_per_fsdp_unit``)."""
     config = REPO / "train_configs" / "qwen3_moe_omni_debug.toml"
     common = ("--training.steps", "3", "--lr_scheduler.warmup_steps", "2",
               "--debug.deterministic", "--debug.seed", "42",
               "--parallelism.expert_parallel_degree", "2",
               "--parallelism.expert_dispatch", "gather", "--activation_checkpoint.mode", "full")
+    compiled = ("--compile.enable", "--compile.components", "model", "--compile.backend",
+                "aot_eager")
     runs = {}
-    for tag, extra in (("eager", ()), ("compiled", ("--compile.enable", "--compile.components",
-                                                    "model", "--compile.backend",
-                                                    "aot_eager"))):
+    for tag, extra in (("eager", ()), ("compiled", compiled),
+                       ("grouped", (*compiled, "--parallelism.llm_blocks_per_fsdp_unit", "2"))):
         run = run_train(config, 2, *common, "--job.dump_folder",
                         f"outputs/test_compile_gather_{tag}", *extra)
         assert run.returncode == 0, run.output[-4000:]
@@ -184,9 +186,10 @@ def test_run_train_compiled_matches_eager_with_gather_dispatch():
     # one graph a block: nothing compiled in pieces before the checkpoint
     assert "torch.compile: llm: 2" in runs["compiled"].output, runs["compiled"].output[-3000:]
     assert "with graph breaks" not in runs["compiled"].output
-    for step in (1, 2, 3):
-        assert abs(runs["compiled"].losses[step] - runs["eager"].losses[step]) <= 2e-5, (
-            runs["eager"].losses, runs["compiled"].losses)
+    for tag in ("compiled", "grouped"):
+        for step in (1, 2, 3):
+            assert abs(runs[tag].losses[step] - runs["eager"].losses[step]) <= 2e-5, (
+                tag, runs["eager"].losses, runs[tag].losses)
 
 
 @pytest.mark.slow
@@ -255,3 +258,64 @@ def test_wrapping_keeps_names_and_never_replaces_forward():
     assert isinstance(block, type(spec.model_cls(spec.model_args["debugmodel"]).llm.layers["0"]))
     assert [n for n, _ in model.named_parameters()] == names
     assert not [n for n, m in model.named_modules() if "forward" in vars(m)]
+
+
+def _largest_saved_by_llm_blocks(rank, world, compiled, checkpointed):
+    """The largest tensor (elements) any LLM block saves for its backward, other than its
+    parameters, over one EP2 gather-dispatch step; and a block input's size."""
+    from tests.distributed import common as C
+
+    dims = C.make_dims(world, ep=2)
+    overrides = dict(parallelism__expert_parallel_degree=2,
+                     parallelism__expert_dispatch="gather",
+                     activation_checkpoint__mode="full" if checkpointed else "none")
+    if compiled:
+        overrides.update(compile__enable=True, compile__components=["model"],
+                         compile__backend="aot_eager")
+    model = C.parallel_model(C.ModelSpec(moe=True), dims, C.job_config(**overrides))
+    largest, inputs = [0], []
+
+    def pack(tensor):
+        params = (p for p in current[0].parameters())
+        if not any(tensor.shape == p.shape and tensor.data_ptr() == p.data_ptr()
+                   for p in params):
+            largest[0] = max(largest[0], tensor.numel())
+        return tensor
+
+    current = [None]
+    contexts = []
+
+    def enter(block, args):
+        current[0] = block
+        inputs.append(args[0].numel())
+        contexts.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        contexts[-1].__enter__()
+
+    def leave(block, args, output):
+        contexts.pop().__exit__(None, None, None)
+
+    for block in model.llm.layers.values():
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave)
+    C.parallel_step(model, dims, *C.make_batch(500 + rank))
+    return largest[0], max(inputs)
+
+
+@pytest.mark.parametrize("compiled, checkpointed, saves_activations", [
+    (True, True, False),  # the one-graph block: its checkpoint inside the compiled graph
+    (False, False, True),  # no AC: the activations (the gathered rows among them) are saved
+])
+def test_compiled_moe_block_saves_only_its_inputs(compiled, checkpointed, saves_activations):
+    """EP2 gather dispatch, experts outside FSDP: a MoE block compiled as one graph around its
+    checkpoint (full AC) keeps what eager full AC keeps, its inputs and parameters, and no
+    activation larger than its input (the all-gathered rows, the sorted copies), so its memory
+    does not grow with the EP degree's worst-case buffers. Without AC it does (the check's
+    own control)."""
+    from tests.harness import run_distributed
+
+    for largest, block_input in run_distributed(_largest_saved_by_llm_blocks, 2, compiled,
+                                                checkpointed):
+        if saves_activations:
+            assert largest > block_input, (largest, block_input)
+        else:  # the block's input itself (so the hook saw the compiled graph's saves)
+            assert largest == block_input, (largest, block_input)

@@ -53,6 +53,15 @@ class Parallelism:
     FSDP-sharded (one rank) or have no blocks, either value is the same layout. An encoder's
     own table (fsdp_unit = "part") is refused where it cannot act. See docs/parallelism.md."""
 
+    llm_blocks_per_fsdp_unit: int = 1
+    """How many consecutive LLM blocks share one FSDP unit (one ``fully_shard`` of the
+    blocks' list): one all-gather, one reduce-scatter and one set of FSDP's hooks per group
+    and pass instead of per block, for the parameters of that many blocks gathered at once.
+    1 (default): each block its own unit, as TorchTitan. Larger groups spend less host time
+    per step where the host, not the GPU, sets the step's pace (small blocks, such as MoE
+    blocks whose experts skip FSDP); the last group may be shorter. Needs the LLM
+    FSDP-sharded (dp_shard x ulysses > 1). See docs/parallelism.md."""
+
     encoder_sequence_parallel: Literal["replicate", "split", "balance"] = "replicate"
     """Which ranks encode which media items: "replicate" encodes every media item on every SP
     rank (simple, SP x encoder compute); "split" encodes a share of the items on each SP rank

@@ -124,6 +124,14 @@ def validate_job_config(cfg: JobConfig, world_size: int | None = None) -> None:
             f"parallelism.ulysses_async is set but ulysses_degree is "
             f"{degrees['ulysses_degree']}: without Ulysses there is no exchange to overlap; "
             "set --parallelism.ulysses_degree 2 or more, or drop --parallelism.ulysses_async")
+    per_unit = cfg.parallelism.llm_blocks_per_fsdp_unit
+    if per_unit < 1:
+        raise ConfigError(f"parallelism.llm_blocks_per_fsdp_unit must be >= 1, got {per_unit}")
+    if per_unit > 1 and degrees["data_parallel_shard_degree"] * degrees["ulysses_degree"] == 1:
+        raise ConfigError(
+            f"parallelism.llm_blocks_per_fsdp_unit is {per_unit} but the LLM is not "
+            "FSDP-sharded (data_parallel_shard_degree x ulysses_degree is 1): there are no "
+            "units to group; set it to 1")
     chunks = cfg.parallelism.expert_dispatch_chunks
     if chunks < 1:
         raise ConfigError(f"parallelism.expert_dispatch_chunks must be >= 1, got {chunks}")
