@@ -923,6 +923,8 @@ STEP_SECONDS = re.compile(r"step time: ([\d.]+)s")
 #: torchrun's prefix on a rank's output lines (``--local-ranks-filter``/``LOG_RANK``)
 RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")
 GRAPHS = re.compile(r"compiled graphs: (\d+)")
+#: the omni trainer's peak active memory, after the peak reserved (stock lines have none)
+ACTIVE = re.compile(r"active:\s*([\d.]+)GiB")
 
 
 def _seconds(stamp: str) -> float:
@@ -956,6 +958,9 @@ def parse_steps(log: str) -> list[dict]:
             graphs = GRAPHS.search(line)
             if graphs:
                 step["graphs"] = int(graphs[1])
+            active = ACTIVE.search(line)
+            if active:
+                step["mem_active_gib"] = float(active[1])
             moe = MOE_FIELD.search(line)
             if moe:
                 step.update(max_over_mean=float(moe[1]), dropped_pct=float(moe[2]))
@@ -1072,6 +1077,8 @@ def summarize(point: Point, steps: list[dict], wall_s: float, rc, log: str = "")
     tflops = share * statistics.median(s["tflops"] for s in timed)
     row.update(tps=tps, tps_range=tps_range, mfu=mfu, mem_gib=max(s["mem_gib"] for s in steps),
                step_s=step_time(steps, point.warmup, profiled))
+    if all("mem_active_gib" in s for s in steps):
+        row["mem_active_gib"] = max(s["mem_active_gib"] for s in steps)
     if all("step_s" in s for s in timed):
         # the mean, for the fixed part (fixed_parts): the 8K and 16K points run the same rows,
         # and a median of a few steps moves with which rows it lands on
@@ -1248,7 +1255,8 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
         "over the stock, omni text-only (packed short documents) and omni long-text (one "
         "document per row, as the media rows) points of the same GPUs, seq, compile "
         "setting and linears' precision (bf16 or float8); "
-        "memory: peak reserved; recompiles: rank 0's under TORCH_LOGS=recompiles.",
+        "memory: peak reserved (peak active, what tensors held, where the omni trainer logs "
+        "it); recompiles: rank 0's under TORCH_LOGS=recompiles.",
         *([data_note] if data_note else []),
         "",
         "| point | GPUs | seq | data (media share) | compile | tokens/s/GPU | steps' range "
@@ -1261,6 +1269,8 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
     for r in rows:
         status = r.get("status") or ("ok" if r.get("rc") == 0 else f"exit {r.get('rc')}")
         recompiles = "-" if r.get("recompiles") is None else str(r["recompiles"])
+        active = (f" ({r['mem_active_gib']:.1f} active)" if r.get("mem_active_gib") is not None
+                  else "")
         spread = ("-" if r.get("tps_range") is None
                   else f"{r['tps_range'][0]:,.0f}-{r['tps_range'][1]:,.0f}")
         lines.append(
@@ -1269,7 +1279,8 @@ def table(rows: list[dict], device: str, data_note: str = "") -> str:
             f"{_fmt(r.get('vs_stock'), '.2f', 'x')} | {_fmt(r.get('vs_text'), '.2f', 'x')} | "
             f"{_fmt(r.get('vs_long_text'), '.2f', 'x')} | "
             f"{_fmt(r.get('mfu'), '.1f', '%')} | {_fmt(r.get('mfu_titan'), '.1f', '%')} | "
-            f"{_fmt(r.get('step_s'), '.2f')} | {_fmt(r.get('mem_gib'), '.1f')} | {recompiles} | "
+            f"{_fmt(r.get('step_s'), '.2f')} | {_fmt(r.get('mem_gib'), '.1f')}{active} | "
+            f"{recompiles} | "
             f"{status} |")
     moe = [r for r in rows if "dropped_pct" in r]
     if moe:

@@ -44,6 +44,14 @@ if ! python3 -c "import torchtitan" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1
 else  # this tree first (a baseline tree run beside it keeps the installed wheels' path)
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
+# the datasets' builders need these on a fresh host (a call without them builds nothing and
+# times nothing: say so at once)
+if ! python3 -c "import soundfile, av, espeakng_loader, torchao" 2>/dev/null; then
+  echo "gpu_benchmarks: soundfile, av, espeakng_loader or torchao is missing: run bash" \
+    "../shared/gpu-host/wheels.sh av==18.1.0 espeakng-loader==0.2.4 soundfile==0.14.0" \
+    "torchao==0.18.0 on the workstation and carry .whl" >&2
+  exit 1
+fi
 export PYTHONUNBUFFERED=1
 deadline=${DEADLINE:-540}
 logs=$(mktemp -d)

@@ -11,8 +11,10 @@
 # 40 Hz (OUT_DIR/pyspy_native.txt), py-spy's raw (collapsed) format, which
 # scripts/summarize_pyspy.py reads. PY_SPY names the py-spy binary (default: py-spy on PATH; on
 # the offline GPU hosts from its wheel: bash ../shared/gpu-host/wheels.sh py-spy here, then
-# PATH=/tmp/site/bin:$PATH there). A compiled point's rank 0 starts about 45 s before its first
-# step ends: give WAIT_S 75 or more to sample steady state.
+# PATH=/tmp/site/bin:$PATH there). A compiled EP2 point's rank 0 is still compiling 80-90 s
+# after it starts (fortieth session: sampled at 80 s, 40% of the samples were inductor's compile
+# workers, which scripts/summarize_pyspy.py flags): give WAIT_S 120 and the point 400 steps or
+# more (--training.steps; about 0.19 s a step at EP2 8K) to sample steady state.
 set -uo pipefail
 out=${1:?usage: pyspy_rank0.sh OUT_DIR [WAIT_S] [DURATION_S]}
 wait_s=${2:-45}

@@ -7,7 +7,8 @@ many of them sat in a kernel launch that waited for room in the GPU's full launc
 (``sched_yield`` under ``cuLaunchKernel``: only native samples show it; docs/performance.md,
 "Launch queues"), how many were inside an encoder's code (by their Python frames, which a
 backward's autograd nodes do not have), and the innermost Python frames (where the Python
-time goes).
+time goes). A sample with over 10% of its samples in inductor's compiling is flagged: the rank
+had not reached steady state.
 
     python3 scripts/summarize_pyspy.py OUT_DIR/pyspy_native.txt [--top 15]
 """
@@ -25,6 +26,12 @@ LAUNCH_FRAME = re.compile(r"cuLaunchKernel|cudaLaunchKernel")
 YIELD_FRAME = re.compile(r"^sched_yield\b")
 #: the encoders' own code (torchtitan_omni/encoders/)
 ENCODER_FILE = re.compile(r"torchtitan_omni/encoders/")
+#: inductor compiling: its compile workers' threads and code (idle in steady state, where
+#: py-spy records none of their samples)
+COMPILE_THREAD = re.compile(r"^(InductorSubproc|subproc_worker_timer) ")
+COMPILE_FILE = re.compile(r"torch/_inductor/(compile_worker|async_compile)")
+#: the share of samples in inductor's compiling above which a sample is not steady state
+COMPILING_SHARE = 0.1
 
 
 def read_raw(lines) -> list[tuple[list[str], int]]:
@@ -61,10 +68,13 @@ def summarize(stacks: list[tuple[list[str], int]], top: int = 15) -> list[str]:
     """The per-thread table, then each busy thread's innermost Python frames."""
     samples, blocked, in_encoder = Counter(), Counter(), Counter()
     innermost: dict[str, Counter] = {}
+    compiling = 0
     for frames, n in stacks:
         thread = thread_name(frames[0])
         samples[thread] += n
         body = frames[1:]
+        if COMPILE_THREAD.match(thread) or any(COMPILE_FILE.search(f) for f in body):
+            compiling += n
         if any(LAUNCH_FRAME.search(f) for f in body) and any(YIELD_FRAME.match(f) for f in body):
             blocked[thread] += n
         if any(ENCODER_FILE.search(f) for f in body):
@@ -80,6 +90,10 @@ def summarize(stacks: list[tuple[list[str], int]], top: int = 15) -> list[str]:
         out.append(f"  {thread[:34]:34s} {n:8d} {100 * n / total:5.1f}% "
                    f"{blocked[thread]:10d} ({100 * blocked[thread] / n:5.1f}%) "
                    f"{in_encoder[thread]:14d}")
+    if total and compiling > COMPILING_SHARE * total:
+        out.append(f"  warning: {100 * compiling / total:.0f}% of the samples are inductor "
+                   "compiling (its compile workers): the rank was still compiling, not in "
+                   "steady state; sample later (pyspy_rank0.sh's WAIT_S) or run more steps")
     for thread, _ in samples.most_common(3):
         if thread not in innermost:
             continue

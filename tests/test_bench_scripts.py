@@ -56,6 +56,24 @@ def test_step_lines_of_omni_and_stock_logs():
     assert "-m torchtitan.train" in row["command"] and "--training.seq_len 8192" in row["command"]
 
 
+def test_peak_active_memory_read_where_the_omni_trainer_logs_it():
+    """The omni trainer logs the peak active memory after the peak reserved: the row and the
+    table carry both (the reserved peak alone cannot tell a larger working set from the
+    caching allocator's slack); a log without it (stock, older lines) gives none."""
+    bench = _script("bench_scaling")
+    line = OMNI_LINE.replace("GiB(53.01%)  ", "GiB(53.01%) active: 70.50GiB  ")
+    steps = bench.parse_steps("\n".join([line, line.replace("step: 11", "step: 12")
+                                         .replace("active: 70.50", "active: 71.25")]))
+    assert [s["mem_active_gib"] for s in steps] == [70.50, 71.25]
+    assert steps[0]["mem_gib"] == 74.12 and steps[0]["tps"] == 4424.0
+    point = bench.Point("p", "8B", 4, 8192, stock=True, warmup=10)
+    row = bench.summarize(point, steps, 10.0, 0)
+    assert row["mem_active_gib"] == 71.25
+    assert "| 74.1 (71.2 active) |" in bench.table([row], "test")
+    row = bench.summarize(point, bench.parse_steps(OMNI_LINE), 10.0, 0)
+    assert "mem_active_gib" not in row and "| 74.1 |" in bench.table([row], "test")
+
+
 def test_step_lines_of_several_ranks_are_the_lowest_ranks():
     """With ``LOG_RANK=0,1`` both ranks print their lines (each rank's tokens/s is its own
     batch's): the table reads rank 0's alone, whichever order they come in."""
@@ -678,8 +696,19 @@ def test_pyspy_summary_counts_threads_queue_waits_and_encoder_samples():
     main_frames = lines[lines.index("  innermost Python frames, MainThread (7):") + 1:]
     assert [line.split(None, 1) for line in main_frames] == [
         ["5", "linear (torch/nn/functional.py)"], ["3", "step (torch/optim/adamw.py)"]]
+    assert not any("warning" in line for line in lines)
     with pytest.raises(ValueError, match="line 1 is not py-spy's raw format"):
         spy.read_raw(["thread (7): MainThread;frame\n"])
+    # a sample taken while inductor still compiled (the fortieth session's: rank 0 sampled
+    # 80 s after its start) is flagged as not steady state
+    compiling = raw[:2] + [
+        "thread (11): InductorSubproc;"
+        "_recv_msg (torch/_inductor/compile_worker/subproc_pool.py:9) 6",
+        "thread (12): subproc_worker_timer;check (torch/_inductor/compile_worker/timer.py:4) 6",
+    ]
+    lines = spy.summarize(spy.read_raw([line + "\n" for line in compiling]), top=2)
+    assert any(line.startswith("  warning: 60% of the samples are inductor compiling")
+               for line in lines), lines
 
 
 def test_ep4_rank_flavor_of_the_moe_and_its_one_gpu_points():

@@ -115,6 +115,8 @@ class OmniMetricsProcessor(MetricsProcessor):
             "time_metrics/end_to_end(s)": step_seconds,
             "memory/max_reserved(GiB)": mem.max_reserved_gib,
             "memory/max_reserved(%)": mem.max_reserved_pct,
+            # what tensors held at the peak: reserved less the caching allocator's slack
+            "memory/max_active(GiB)": mem.max_active_gib,
         }
         if window.data_loading_times:
             metrics["time_metrics/data_loading(s)"] = sum(window.data_loading_times) / len(
@@ -132,7 +134,8 @@ class OmniMetricsProcessor(MetricsProcessor):
         logger.info(
             f"{c.red}step: {step:2}  {c.green}loss: {total_loss:8.5f} ({named})  "
             f"{c.orange}grad_norm: {grad_norm:7.4f}  "
-            f"{c.turquoise}memory: {mem.max_reserved_gib:5.2f}GiB({mem.max_reserved_pct:.2f}%)  "
+            f"{c.turquoise}memory: {mem.max_reserved_gib:5.2f}GiB({mem.max_reserved_pct:.2f}%) "
+            f"active: {mem.max_active_gib:5.2f}GiB  "
             f"{c.blue}tps: {round(tps):,}  {c.cyan}tflops: {flops_per_s / 1e12:,.2f}  "
             f"{c.magenta}mfu: {mfu:.2f}%{c.reset}  step time: {step_seconds:.3f}s"
             + (
