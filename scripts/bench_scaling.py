@@ -25,7 +25,8 @@ precision (bf16 or float8), the MFU by the trainer's model-FLOP count (causal at
 real document lengths, encoders included), the MFU by TorchTitan's formula (``6 x
 non-embedding params + 12 x layers x heads x head_dim x seq_len`` per token, what stock runs
 print), the median step time (the omni lines' own, else between consecutive step lines), the
-peak reserved memory and, for ``torch.compile`` points (run with
+peak reserved memory (and the peak active, where the omni trainer logs it) and, for
+``torch.compile`` points (run with
 ``TORCH_LOGS=recompiles``), the recompilations rank 0 logged. Results go to a markdown table
 (with the exact command of each point) and a JSON file.
 
