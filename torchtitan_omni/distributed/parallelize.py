@@ -147,26 +147,21 @@ def _sum_reductions(model: nn.Module) -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def _prefetch_next_block(model: nn.Module, part: PartLayout, per_unit: int = 1) -> None:
+def _prefetch_next_block(block_groups: list[list[nn.Module]]) -> None:
     # Each unit of blocks starts the all-gather of the next one as its own forward begins, so
     # the gather overlaps compute even when the host is not far ahead of the GPU (short
     # encoder blocks). A group's blocks share one unit: its first block stands for it.
     # Backward prefetch is FSDP2's default.
-    blocks = [m for _, m in matching_modules(model, part.root, part.ac_units)
-              if isinstance(m, FSDPModule)]
-    units = blocks[::per_unit]
+    units = [group[0] for group in block_groups if isinstance(group[0], FSDPModule)]
     for unit, following in zip(units, units[1:]):
         unit.set_modules_to_forward_prefetch([following])
 
 
-def _llm_block_groups(model: nn.Module, part: PartLayout,
-                      job_config: JobConfig) -> list[list[nn.Module]]:
-    """The LLM's blocks (its checkpointed units) in consecutive groups of
-    ``parallelism.llm_blocks_per_fsdp_unit``, each to be one FSDP unit; none when each block
-    is its own unit (1) or for other parts."""
-    per_unit = job_config.parallelism.llm_blocks_per_fsdp_unit
-    if per_unit == 1 or not is_llm_part(part):
-        return []
+def _block_groups(model: nn.Module, part: PartLayout,
+                  job_config: JobConfig) -> list[list[nn.Module]]:
+    """The part's blocks (its checkpointed units) in consecutive groups, one FSDP unit each:
+    ``parallelism.llm_blocks_per_fsdp_unit`` blocks in the LLM, one elsewhere."""
+    per_unit = job_config.parallelism.llm_blocks_per_fsdp_unit if is_llm_part(part) else 1
     blocks = [m for _, m in matching_modules(model, part.root, part.ac_units)]
     return [blocks[i:i + per_unit] for i in range(0, len(blocks), per_unit)]
 
@@ -243,21 +238,21 @@ def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
             if name == part.root or name.startswith(prefix):
                 shard(module, mesh)
         one_unit = part_is_one_unit(part, job_config)
-        block_groups = _llm_block_groups(model, part, job_config)
+        block_groups = _block_groups(model, part, job_config)
         if not one_unit:
             for patterns in part.fsdp_groups:
                 members = [m for _, m in matching_modules(model, part.root, patterns)]
                 if members:
                     shard(members, mesh)
-            for group in block_groups:
-                shard(group, mesh)
-            if block_groups:
+            if any(len(group) > 1 for group in block_groups):
+                for group in block_groups:
+                    shard(group, mesh)
                 logger.info(f"{part.root}: blocks in {len(block_groups)} FSDP units of up to "
                             f"{len(block_groups[0])} (parallelism.llm_blocks_per_fsdp_unit)")
             for _, module in matching_modules(model, part.root, part.fsdp_units):
                 shard(module, mesh)
         shard(root, mesh)
-        _prefetch_next_block(model, part, len(block_groups[0]) if block_groups else 1)
+        _prefetch_next_block(block_groups)
         choices[part.root] = f"{choice}, one unit" if one_unit else choice
     for _, module in fp32:
         shard(module, default_mesh)  # fp32 modules outside every part
