@@ -278,3 +278,23 @@ def test_triton_kernels_in_the_interpreter_match_torch():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kernels ok" in done.stdout
+
+
+def test_a_kernel_wrapped_in_eager_is_still_traceable_when_compiling():
+    """Which launcher a row-map kernel gets follows the tracing state of each call: torch's
+    ``wrap_triton`` gives the bare kernel in eager calls and a traceable wrapper while
+    compiling. A launcher kept from an eager call broke the next compile of the MoE block
+    (FakeTensors reached the bare kernel: three GPU tests failed, forty-first session)."""
+    triton = pytest.importorskip("triton")
+    from torch._higher_order_ops.triton_kernel_wrap import TraceableTritonKernelWrapper
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from torchtitan_omni.modules import local_copies
+
+    kernel = local_copies._rows_below_kernel
+    if not isinstance(kernel, triton.runtime.jit.JITFunction):
+        pytest.skip("Triton's interpreter is on: its kernels launch as they are")
+    with set_wrap_triton_enabled(False):  # eager: triton_op runs the kernel directly
+        assert local_copies._launchable(kernel) is kernel
+    with set_wrap_triton_enabled(True):  # tracing: the launch must become a graph node
+        assert isinstance(local_copies._launchable(kernel), TraceableTritonKernelWrapper)

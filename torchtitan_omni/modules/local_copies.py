@@ -42,8 +42,6 @@ over every row).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.library import triton_op, wrap_triton
 
@@ -225,11 +223,12 @@ def _rowwise_triton(op: int, a, b, count, grad=None, out=None):
     return (out, out2) if op == 1 else out
 
 
-@functools.cache  # once per kernel: eager calls launch through it on every MoE layer's pass
 def _launchable(kernel):
     """``kernel`` wrapped for ``torch.library.triton_op`` (inductor launches it from its own
     code); under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests) the kernel as it
     is, which torch 2.11's ``wrap_triton`` refuses."""
+    # Not cached: ``wrap_triton`` gives the bare kernel in eager calls and a traceable wrapper
+    # while compiling, so a cached eager answer breaks a later compile (the GPU tests caught it).
     return wrap_triton(kernel) if isinstance(kernel, triton.runtime.jit.JITFunction) else kernel
 
 
