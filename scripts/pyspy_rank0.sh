@@ -14,7 +14,16 @@
 # PATH=/tmp/site/bin:$PATH there). A compiled EP2 point's rank 0 is still compiling 80-90 s
 # after it starts (fortieth session: sampled at 80 s, 40% of the samples were inductor's compile
 # workers, which scripts/summarize_pyspy.py flags): give WAIT_S 120 and the point 400 steps or
-# more (--training.steps; about 0.19 s a step at EP2 8K) to sample steady state.
+# more (--training.steps; about 0.19 s a step at EP2 8K) to sample steady state. Better, since
+# the compile's length depends on inductor's cache (a warm machine's rank finished 400 steps
+# before 120 s, forty-first session): TRAIN_LOG=<the job's log> AFTER_STEP=<N> waits until
+# that log shows step N (WAIT_S is then ignored), e.g.
+#
+#   NGPU=2 CONFIG_FILE=... ./run_train.sh ... --training.steps 250 > /tmp/train.log 2>&1 &
+#   TRAIN_LOG=/tmp/train.log AFTER_STEP=60 bash scripts/pyspy_rank0.sh /tmp/spy 0 10; wait
+#
+# (stop such a job with `wait`, not `pkill -f <its arguments>`: the device tool's own shell
+# carries the same words on its command line, and killed itself that way once).
 set -uo pipefail
 out=${1:?usage: pyspy_rank0.sh OUT_DIR [WAIT_S] [DURATION_S]}
 wait_s=${2:-45}
@@ -39,7 +48,21 @@ if [ -z "$rank0" ]; then
   exit 1
 fi
 echo "pyspy_rank0: rank 0 is pid $rank0: $(tr '\0' ' ' < "/proc/$rank0/cmdline" | head -c 200)"
-sleep "$wait_s"
+if [ -n "${TRAIN_LOG:-}" ]; then
+  step=${AFTER_STEP:?AFTER_STEP: the step to wait for in TRAIN_LOG}
+  # the step lines carry colour codes around "step: N"
+  for _ in $(seq 1 900); do
+    grep -qE "step: *$step " "$TRAIN_LOG" 2>/dev/null && break
+    kill -0 "$rank0" 2>/dev/null || break
+    sleep 1
+  done
+  if ! grep -qE "step: *$step " "$TRAIN_LOG" 2>/dev/null; then
+    echo "pyspy_rank0: $TRAIN_LOG never showed step $step (rank 0 gone, or 15 minutes passed)" >&2
+    exit 1
+  fi
+else
+  sleep "$wait_s"
+fi
 "$spy" record -p "$rank0" -d "$duration" -r 100 --threads -f raw -o "$out/pyspy_py.txt"
 # native frames need the process paused while sampled (py-spy's default, blocking mode)
 "$spy" record -p "$rank0" -d "$duration" -r 40 --native --threads -f raw \

@@ -93,7 +93,8 @@ def summarize(stacks: list[tuple[list[str], int]], top: int = 15) -> list[str]:
     if total and compiling > COMPILING_SHARE * total:
         out.append(f"  warning: {100 * compiling / total:.0f}% of the samples are inductor "
                    "compiling (its compile workers): the rank was still compiling, not in "
-                   "steady state; sample later (pyspy_rank0.sh's WAIT_S) or run more steps")
+                   "steady state; sample after a later step (pyspy_rank0.sh's TRAIN_LOG and "
+                   "AFTER_STEP)")
     for thread, _ in samples.most_common(3):
         if thread not in innermost:
             continue
