@@ -193,7 +193,8 @@ def test_compiled_update_compiles_once_per_size_up_to_the_bound(monkeypatch):
     """A schedule's new learning rate reuses the compiled graphs; the sizes that update the
     most elements in all (three here) get a graph each whatever their shapes and wherever they
     come, every other size one shared graph, and only the tensors at the size bound go to the
-    compiled update."""
+    compiled update. Each step calls each graph once, with all its tensors (the three of
+    size 2048 together): a call per graph, not per tensor, costs the host."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -211,12 +212,22 @@ def test_compiled_update_compiles_once_per_size_up_to_the_bound(monkeypatch):
     params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
     opt = LocalShardAdamW(params, lr=1e-3, fused=True)
     opt.compile_updates(min_numel=50)  # all but the 7-element bias
+    update = adam_update.compiled_adam_update()
+    compiled, calls = update._update, []
+
+    def counted(params, *args, **kwargs):
+        calls.append(sorted(p.numel() for p in params))
+        return compiled(params, *args, **kwargs)
+
+    monkeypatch.setattr(update, "_update", counted)
     for step in range(3):
         for p in params:
             p.grad = torch.randn_like(p)
         opt.param_groups[0]["lr"] = 1e-3 / (step + 1)
+        calls.clear()
         opt.step()
         assert opt.compiled_numel == sum(p.numel() for p in params[:-1])
+        assert sorted(calls) == [[100, 540], [1024] * 2, [1536], [2048] * 3], calls
     assert adam_update.compiled_adam_update().static_sizes == {2048, 1536, 1024}
     assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
 

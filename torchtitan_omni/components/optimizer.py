@@ -281,13 +281,11 @@ class _LocalShardStep:
         update = compiled_adam_update(self._compile_backend)
         update.prefer_sizes(p.numel() for p in big[0])
         beta1, beta2 = group["betas"]
-        for p, g, m, v, step, copy in zip(*big):
-            self.compiled_numel += p.numel()
-            update(p, g, m, v, step, coef, copy,
-                   lr=group["lr"], beta1=beta1, beta2=beta2,
-                   eps=group["eps"], weight_decay=group["weight_decay"],
-                   decoupled_weight_decay=group["decoupled_weight_decay"],
-                   maximize=group["maximize"])
+        self.compiled_numel += sum(p.numel() for p in big[0])
+        update.update_all(*big[:5], coef, big[5], lr=group["lr"], beta1=beta1, beta2=beta2,
+                          eps=group["eps"], weight_decay=group["weight_decay"],
+                          decoupled_weight_decay=group["decoupled_weight_decay"],
+                          maximize=group["maximize"])
         return tuple([t for t, c in zip(lst, chosen) if not c] for lst in lists)
 
 
