@@ -6,9 +6,11 @@ each thread: its samples (py-spy counts only a thread's busy samples unless ``--
 many of them sat in a kernel launch that waited for room in the GPU's full launch queue
 (``sched_yield`` under ``cuLaunchKernel``: only native samples show it; docs/performance.md,
 "Launch queues"), how many were inside an encoder's code (by their Python frames, which a
-backward's autograd nodes do not have), and the innermost Python frames (where the Python
-time goes). A sample with over 10% of its samples in inductor's compiling is flagged: the rank
-had not reached steady state.
+backward's autograd nodes do not have), the innermost Python frames (where the Python
+time goes) and the inclusive ones (the samples with a frame anywhere on their stack, counted
+once each: what a region costs with everything it calls, as a profiler's cumulative column). A
+sample with over 10% of its samples in inductor's compiling is flagged: the rank had not
+reached steady state.
 
     python3 scripts/summarize_pyspy.py OUT_DIR/pyspy_native.txt [--top 15]
 """
@@ -65,9 +67,11 @@ def python_frame(frame: str) -> str | None:
 
 
 def summarize(stacks: list[tuple[list[str], int]], top: int = 15) -> list[str]:
-    """The per-thread table, then each busy thread's innermost Python frames."""
+    """The per-thread table, then each busy thread's innermost and inclusive Python
+    frames."""
     samples, blocked, in_encoder = Counter(), Counter(), Counter()
     innermost: dict[str, Counter] = {}
+    inclusive: dict[str, Counter] = {}
     compiling = 0
     for frames, n in stacks:
         thread = thread_name(frames[0])
@@ -82,6 +86,8 @@ def summarize(stacks: list[tuple[list[str], int]], top: int = 15) -> list[str]:
         python = [p for p in map(python_frame, body) if p]
         if python:
             innermost.setdefault(thread, Counter())[python[-1]] += n
+            # each frame once a sample (recursion), outer frames first among equal counts
+            inclusive.setdefault(thread, Counter()).update(dict.fromkeys(python, n))
     total = sum(samples.values())
     out = [f"{total} samples",
            f"  {'thread':34s} {'samples':>8s} {'share':>6s} {'blocked in launch queue':>24s} "
@@ -101,6 +107,9 @@ def summarize(stacks: list[tuple[list[str], int]], top: int = 15) -> list[str]:
         out.append(f"  innermost Python frames, {thread}:")
         for frame, count in innermost[thread].most_common(top):
             out.append(f"  {count:8d}  {frame[:110]}")
+        out.append(f"  inclusive Python frames (anywhere on the stack), {thread}:")
+        for frame, count in inclusive[thread].most_common(top):
+            out.append(f"  {count:8d}  {100 * count / samples[thread]:5.1f}%  {frame[:100]}")
     return out
 
 

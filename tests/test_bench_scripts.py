@@ -693,9 +693,15 @@ def test_pyspy_summary_counts_threads_queue_waits_and_encoder_samples():
     rows = {line[:36].strip(): line[36:].split() for line in lines[2:4]}
     assert rows == {"thread 9": ["9", "52.9%", "6", "(", "66.7%)", "0"],
                     "MainThread (7)": ["8", "47.1%", "0", "(", "0.0%)", "5"]}, rows
-    main_frames = lines[lines.index("  innermost Python frames, MainThread (7):") + 1:]
-    assert [line.split(None, 1) for line in main_frames] == [
+    main_at = lines.index("  innermost Python frames, MainThread (7):")
+    inclusive_at = lines.index("  inclusive Python frames (anywhere on the stack), "
+                               "MainThread (7):")
+    assert [line.split(None, 1) for line in lines[main_at + 1:inclusive_at]] == [
         ["5", "linear (torch/nn/functional.py)"], ["3", "step (torch/optim/adamw.py)"]]
+    # run() holds all 8 of the thread's samples, the encoder with what it calls 5 (top 2)
+    assert [line.split(None, 2) for line in lines[inclusive_at + 1:]] == [
+        ["8", "100.0%", "run (torchtitan_omni/train.py)"],
+        ["5", "62.5%", "lm_encode (torchtitan_omni/encoders/vision.py)"]]
     assert not any("warning" in line for line in lines)
     with pytest.raises(ValueError, match="line 1 is not py-spy's raw format"):
         spy.read_raw(["thread (7): MainThread;frame\n"])
