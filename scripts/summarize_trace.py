@@ -5,8 +5,10 @@ time by kind (matrix products, attention, communication, the rest), the top kern
 longest idle gaps, the host syncs (CUDA ``*Synchronize`` calls, by the host op that made
 them: a sync per MoE layer, say, shows as one op's count equal to the layer count; and the
 kernels the driver loaded on their first launch, which can hold the host too), the
-host's compiling (frames compiled, kernels autotuned at their first launch) and the
-GPU timeline by part of the model (the LLM, each encoder, the optimizer; forward and backward):
+host's compiling (frames compiled, kernels autotuned at their first launch), the compiled
+graphs' calls on the host (by graph: a graph called once per tensor or chunk shows as many
+calls, each a dynamo entry and a generated wrapper) and the GPU timeline by part of the
+model (the LLM, each encoder, the optimizer; forward and backward):
 how long each held the GPU, how much of that it computed and how long the GPU sat idle
 waiting for it; then the host side by part: each host thread's time in each part, inside
 top-level torch ops or outside them (Python, hooks, unrecorded waits), the GPU work it queued
@@ -116,6 +118,7 @@ def summarize(path: str, top: int = 20) -> str:
     lines += idle_gaps(events, kernels, top)
     lines += host_syncs(events, start, start + wall_us)
     lines += compiles(events, start, start + wall_us)
+    lines += compiled_calls(events, top)
     lines += by_part(events, kernels)
     lines += host_by_part(events, top)
     return "\n".join(lines)
@@ -246,6 +249,41 @@ def compiles(events: list[dict], start: float, stop: float) -> list[str]:
             f"{sum(e['dur'] for e in frames) / 1e3:.1f} ms; {len(tunes)} kernel autotuning(s) "
             f"at first launch, {sum(e['dur'] for e in tunes) / 1e3:.1f} ms (every rank waits "
             "for it at its next collective)"]
+
+
+#: inductor's host range around one call of a compiled graph's generated code, and dynamo's
+#: guard check before a compiled frame runs
+COMPILED_CALL = re.compile(r"^## Call CompiledFxGraph (\w+)")
+CACHE_LOOKUP = "TorchDynamo Cache Lookup"
+
+
+def compiled_calls(events: list[dict], top: int = 6) -> list[str]:
+    """The compiled graphs' calls on the host, by graph (its hash): how many, and the host time
+    in their generated code (which launches the graph's kernels), with dynamo's cache lookups
+    before them. A call costs the host its entry and wrapper whatever its graph's size, so a
+    graph called once per tensor or per chunk shows as many calls (the forty-first session's
+    optimizer step: 62 calls of three graphs, one per tensor)."""
+    calls: dict = defaultdict(lambda: [0, 0.0])
+    lookups = [0, 0.0]
+    for e in events:
+        if "dur" not in e or e.get("cat") not in HOST_CATS:
+            continue
+        match = COMPILED_CALL.match(str(e["name"]))
+        if match:
+            calls[match.group(1)][0] += 1
+            calls[match.group(1)][1] += e["dur"]
+        elif e["name"] == CACHE_LOOKUP:
+            lookups[0] += 1
+            lookups[1] += e["dur"]
+    if not calls:
+        return []
+    out = [f"  compiled graphs' calls on the host: {sum(n for n, _ in calls.values())} calls of "
+           f"{len(calls)} graphs, {sum(d for _, d in calls.values()) / 1e3:.1f} ms in their "
+           f"generated code; dynamo's cache lookups: {lookups[0]}, {lookups[1] / 1e3:.1f} ms; "
+           "the most called graphs (calls, host time, per call):"]
+    for graph, (n, dur) in sorted(calls.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:top]:
+        out.append(f"  {n:6d}x {dur / 1e3:8.1f} ms {dur / n / 1e3:7.2f} ms  {graph[:16]}")
+    return out
 
 
 #: memory calls of the caching allocators: device (cudaFree waits for the device) and pinned

@@ -280,6 +280,34 @@ def test_trace_summary_reports_the_hosts_compiling(tmp_path):
             "autotuning(s) at first launch, 3.0 ms") in text
 
 
+def test_trace_summary_counts_the_compiled_graphs_calls(tmp_path):
+    """Each compiled call costs the host a dynamo entry and a generated wrapper: the summary
+    counts them by graph, most called first (the forty-first session's optimizer step made 62
+    calls, one per tensor), from the host's ranges only (the GPU's copy of a range is not a
+    call)."""
+    trace = _script("summarize_trace")
+    call = "## Call CompiledFxGraph {} (code id)"
+    events = [
+        {"name": "nvjet_sm90_tst_256x128", "cat": "kernel", "ts": 0, "dur": 1000},
+        *({"name": call.format("updateaaaaaaaaaaaaaaaa"), "cat": "user_annotation",
+           "ts": 100 * i, "dur": 200} for i in range(3)),
+        {"name": call.format("blockbbbbbbbbbbbbbbbbb"), "cat": "user_annotation", "ts": 900,
+         "dur": 4000},
+        {"name": call.format("blockbbbbbbbbbbbbbbbbb"), "cat": "gpu_user_annotation",
+         "ts": 950, "dur": 4000},
+        *({"name": "TorchDynamo Cache Lookup", "cat": "user_annotation", "ts": 100 * i,
+           "dur": 50} for i in range(4)),
+    ]
+    text = _trace_summary(trace, tmp_path, events)
+    lines = text.splitlines()
+    at = lines.index("  compiled graphs' calls on the host: 4 calls of 2 graphs, 4.6 ms in "
+                     "their generated code; dynamo's cache lookups: 4, 0.2 ms; the most called "
+                     "graphs (calls, host time, per call):")
+    assert [line.split() for line in lines[at + 1:at + 3]] == [
+        ["3x", "0.6", "ms", "0.20", "ms", "updateaaaaaaaaaa"],
+        ["1x", "4.0", "ms", "4.00", "ms", "blockbbbbbbbbbbb"]]
+
+
 def test_trace_summary_splits_the_timeline_by_part(tmp_path):
     trace = _script("summarize_trace")
 
