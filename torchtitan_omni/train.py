@@ -135,12 +135,13 @@ class OmniTrainer(Trainer):
 
     def __init__(self, job_config: JobConfig) -> None:
         self._pending_log: PendingLog | None = None
-        #: the parameters clipping reads, listed at the first step (walking the model's modules
-        #: every step took rank 0's host about 1% of an EP2 MoE step that waits for its host)
-        self._clipped_params: list[torch.Tensor] | None = None
         float8 = prepare_float8(job_config)
         with titan_checkpointer_off(job_config):  # ours replaces it (checkpoint.trainer_setup)
             super().__init__(job_config)
+        #: the parameters clipping reads, listed once (walking the model's modules every step
+        #: took rank 0's host about 1% of an EP2 MoE step that waits for its host); loading and
+        #: the bf16 expert weights below keep these parameter objects
+        self._clipped_params = [p for m in self.model_parts for p in m.parameters()]
         if float8:
             where = " and the encoders" if float8_encoders(job_config) else ""
             logger.info(f"Float8 linears in the foundation's blocks{where}; left in bf16: {float8}")
@@ -410,8 +411,6 @@ class OmniTrainer(Trainer):
 
         # non-colocated encoders: the norm of both rank sets' gradients, as colocated
         combine = partial(combine_grad_norms, ranks=self.rank_sets) if self.rank_sets else None
-        if self._clipped_params is None:
-            self._clipped_params = [p for m in self.model_parts for p in m.parameters()]
         grad_norm = clip_gradients_(self.optimizers, self._clipped_params,
                                     self.job_config.training.max_norm, combine=combine)
         self.checkpointer.maybe_wait_for_staging()
