@@ -12,7 +12,16 @@ once each: what a region costs with everything it calls, as a profiler's cumulat
 sample with over 10% of its samples in inductor's compiling is flagged: the rank had not
 reached steady state.
 
-    python3 scripts/summarize_pyspy.py OUT_DIR/pyspy_native.txt [--top 15]
+Then the busiest threads' time by region (:data:`REGIONS`: the compiled graphs' generated
+code, FSDP's hooks, the optimizer, the loss head, ...): the samples with a frame of the region
+anywhere on their stack, so regions overlap (the optimizer's compiled update counts in both)
+and do not add up to the thread. With the sampling rate and window (``--rate``, ``--seconds``,
+as ``pyspy_rank0.sh`` records: 100 Hz for the Python sample, 40 Hz for the native one) and the
+job's mean step (``--step-ms``; from the log of steps taken without the sampler, which pauses
+the process for each native sample), each region also gets its host milliseconds per step: its
+share of the sampling instants times the step.
+
+    python3 scripts/summarize_pyspy.py OUT_DIR/pyspy_py.txt [--top 15] [--seconds 10 --step-ms 190]
 """
 
 from __future__ import annotations
@@ -34,6 +43,22 @@ COMPILE_THREAD = re.compile(r"^(InductorSubproc|subproc_worker_timer) ")
 COMPILE_FILE = re.compile(r"torch/_inductor/(compile_worker|async_compile)")
 #: the share of samples in inductor's compiling above which a sample is not steady state
 COMPILING_SHARE = 0.1
+#: regions of a training step's host time, each a pattern any frame of a sample may match
+#: (Python frames by file or function, native ones by symbol)
+REGIONS = (
+    ("compiled graphs' generated code", re.compile(r"[(/][a-z0-9]{40,}\.py:\d+\)$")),
+    ("AOT autograd's runtime wrappers", re.compile(r"torch/_functorch/_aot_autograd/")),
+    ("FSDP's hooks", re.compile(r"torch/distributed/fsdp/")),
+    ("collectives (c10d)", re.compile(r"distributed_c10d\.py|_functional_collectives\.py|"
+                                      r"^c10d::")),
+    ("kernel launches (driver)", LAUNCH_FRAME),
+    ("optimizer (step, zero_grad, LR)",
+     re.compile(r"torch/optim/|torchtitan_omni/components/(optimizer|adam_update)\.py")),
+    ("gradient clipping", re.compile(r"^(clip_grad\w*|_norm_and_clip\w*) \(")),
+    ("loss head", re.compile(r"torchtitan_omni/modules/linear_cross_entropy\.py")),
+    ("garbage collection", re.compile(r"^GarbageCollection\.\w+ \(")),
+    ("data loading", re.compile(r"torch/utils/data/")),
+)
 
 
 def read_raw(lines) -> list[tuple[list[str], int]]:
@@ -66,12 +91,15 @@ def python_frame(frame: str) -> str | None:
     return f"{match['function']} ({match['file']})" if match else None
 
 
-def summarize(stacks: list[tuple[list[str], int]], top: int = 15) -> list[str]:
+def summarize(stacks: list[tuple[list[str], int]], top: int = 15,
+              instants: float | None = None, step_ms: float | None = None) -> list[str]:
     """The per-thread table, then each busy thread's innermost and inclusive Python
-    frames."""
+    frames, then the two busiest threads' :data:`REGIONS`; in milliseconds per step too when
+    the sampling ``instants`` (rate times seconds) and the mean ``step_ms`` are given."""
     samples, blocked, in_encoder = Counter(), Counter(), Counter()
     innermost: dict[str, Counter] = {}
     inclusive: dict[str, Counter] = {}
+    regions: dict[str, Counter] = {}
     compiling = 0
     for frames, n in stacks:
         thread = thread_name(frames[0])
@@ -83,6 +111,9 @@ def summarize(stacks: list[tuple[list[str], int]], top: int = 15) -> list[str]:
             blocked[thread] += n
         if any(ENCODER_FILE.search(f) for f in body):
             in_encoder[thread] += n
+        for region, pattern in REGIONS:
+            if any(pattern.search(f) for f in body):
+                regions.setdefault(thread, Counter())[region] += n
         python = [p for p in map(python_frame, body) if p]
         if python:
             innermost.setdefault(thread, Counter())[python[-1]] += n
@@ -110,6 +141,17 @@ def summarize(stacks: list[tuple[list[str], int]], top: int = 15) -> list[str]:
         out.append(f"  inclusive Python frames (anywhere on the stack), {thread}:")
         for frame, count in inclusive[thread].most_common(top):
             out.append(f"  {count:8d}  {100 * count / samples[thread]:5.1f}%  {frame[:100]}")
+    per_step = instants is not None and step_ms is not None
+    for thread, n in samples.most_common(2):
+        out.append(f"  regions, {thread} (a sample counts in each region on its stack)"
+                   + (f"; ms a step of {step_ms:g} ms:" if per_step else ":"))
+        if per_step:
+            out.append(f"  {'the thread, busy':34s} {n:8d} {100:5.1f}% "
+                       f"{n / instants * step_ms:8.1f}")
+        for region, _ in REGIONS:
+            count = regions.get(thread, Counter())[region]
+            line = f"  {region:34s} {count:8d} {100 * count / n:5.1f}%"
+            out.append(line + (f" {count / instants * step_ms:8.1f}" if per_step else ""))
     return out
 
 
@@ -117,10 +159,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("raw", help="py-spy record -f raw output (with --threads)")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--rate", type=float, default=100.0,
+                   help="samples a second py-spy took (pyspy_rank0.sh: 100 Python, 40 native)")
+    p.add_argument("--seconds", type=float, help="the sampling window, seconds")
+    p.add_argument("--step-ms", type=float, help="the job's mean step without the sampler, ms")
     args = p.parse_args()
+    if (args.seconds is None) != (args.step_ms is None):
+        p.error("--seconds and --step-ms go together (a region's ms a step needs both)")
     with open(args.raw) as f:
         stacks = read_raw(f)
-    print(f"{args.raw}: " + "\n".join(summarize(stacks, args.top)))
+    instants = None if args.seconds is None else args.rate * args.seconds
+    print(f"{args.raw}: " + "\n".join(summarize(stacks, args.top, instants, args.step_ms)))
 
 
 if __name__ == "__main__":

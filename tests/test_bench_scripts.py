@@ -727,7 +727,9 @@ def test_pyspy_summary_counts_threads_queue_waits_and_encoder_samples():
     assert [line.split(None, 1) for line in lines[main_at + 1:inclusive_at]] == [
         ["5", "linear (torch/nn/functional.py)"], ["3", "step (torch/optim/adamw.py)"]]
     # run() holds all 8 of the thread's samples, the encoder with what it calls 5 (top 2)
-    assert [line.split(None, 2) for line in lines[inclusive_at + 1:]] == [
+    regions_at = lines.index("  regions, thread 9 (a sample counts in each region on its "
+                             "stack):")
+    assert [line.split(None, 2) for line in lines[inclusive_at + 1:regions_at]] == [
         ["8", "100.0%", "run (torchtitan_omni/train.py)"],
         ["5", "62.5%", "lm_encode (torchtitan_omni/encoders/vision.py)"]]
     assert not any("warning" in line for line in lines)
@@ -743,6 +745,48 @@ def test_pyspy_summary_counts_threads_queue_waits_and_encoder_samples():
     lines = spy.summarize(spy.read_raw([line + "\n" for line in compiling]), top=2)
     assert any(line.startswith("  warning: 60% of the samples are inductor compiling")
                for line in lines), lines
+
+
+def test_pyspy_regions_count_each_region_on_a_stack_and_give_ms_a_step():
+    spy = _script("summarize_pyspy")
+    graph = "Runner.call (" + "c" * 52 + ".py:40)"  # an inductor module, as py-spy names it
+    aot = "forward (torch/_functorch/_aot_autograd/runtime_wrappers.py:3)"
+    raw = [
+        # a compiled block's forward launching a kernel: graphs, AOT wrappers and the launch
+        f"thread (7): MainThread;train_step (torchtitan_omni/train.py:1);{aot};{graph};"
+        "cuLaunchKernel (libcuda.so) 6",
+        # FSDP's pre-forward all-gather: FSDP and c10d
+        "thread (7): MainThread;train_step (torchtitan_omni/train.py:1);"
+        "pre_forward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:9);"
+        "all_gather_into_tensor (torch/distributed/distributed_c10d.py:4) 3",
+        # the optimizer's compiled update: optimizer and the graph's code
+        "thread (7): MainThread;step (torchtitan_omni/components/optimizer.py:236);"
+        f"update_all (torchtitan_omni/components/adam_update.py:237);{graph} 2",
+        "thread (7): MainThread;collect (torchtitan/utils.py:3);"
+        "GarbageCollection.collect (torchtitan/tools/utils.py:5) 1",
+        f"thread (9);Engine::thread_main (libtorch_cpu.so);{aot};{graph} 4",
+    ]
+    lines = spy.summarize(spy.read_raw([line + "\n" for line in raw]), top=1,
+                          instants=40, step_ms=200)
+    at = lines.index("  regions, MainThread (7) (a sample counts in each region on its stack); "
+                     "ms a step of 200 ms:")
+    table = {line[:36].strip(): line[36:].split() for line in lines[at + 1:at + 12]}
+    # 12 busy samples of 40 instants: 30% of the time, 60 ms of a 200 ms step
+    assert table["the thread, busy"] == ["12", "100.0%", "60.0"]
+    assert table["compiled graphs' generated code"] == ["8", "66.7%", "40.0"]
+    assert table["AOT autograd's runtime wrappers"] == ["6", "50.0%", "30.0"]
+    assert table["kernel launches (driver)"] == ["6", "50.0%", "30.0"]
+    assert table["FSDP's hooks"] == table["collectives (c10d)"] == ["3", "25.0%", "15.0"]
+    assert table["optimizer (step, zero_grad, LR)"] == ["2", "16.7%", "10.0"]
+    assert table["garbage collection"] == ["1", "8.3%", "5.0"]
+    assert table["loss head"] == table["data loading"] == ["0", "0.0%", "0.0"]
+    at = lines.index("  regions, thread 9 (a sample counts in each region on its stack); "
+                     "ms a step of 200 ms:")
+    assert lines[at + 2].split()[-3:] == ["4", "100.0%", "20.0"]  # the graphs' code
+    # without the window and the step: shares only
+    lines = spy.summarize(spy.read_raw([line + "\n" for line in raw]), top=1)
+    at = lines.index("  regions, MainThread (7) (a sample counts in each region on its stack):")
+    assert lines[at + 1].split()[-2:] == ["8", "66.7%"]
 
 
 def test_ep4_rank_flavor_of_the_moe_and_its_one_gpu_points():
