@@ -23,6 +23,11 @@
 # too, KEEP_TRACES=all every rank's (gzipped, in traces.tar, dropped if over 16 MiB: about 2 MiB
 # a rank for the 8B's realistic step, so profile one or two points then).
 #
+# INDUCTOR_KNOBS="key=value,..." sets torch._inductor.config for every point (and the baseline
+# tree's) through scripts/inductor_knobs/sitecustomize.py, e.g. combo_kernels=True, or
+# cpp_wrapper=True,no_c_shim=aten._grouped_mm.default: an A/B of inductor's settings without a
+# code change (run the script twice in one call, with and without, OUT=$OUT/<name> apart).
+#
 # BASELINE_TREE=<folder> runs each argument's points again in an older tree right after this
 # tree's (the same call, so the ratio is fair), its tables as baseline_*.md; make it before the
 # call, untracked so that it travels: mkdir baseline && git archive <commit> | tar -x -C baseline
@@ -52,10 +57,15 @@ if ! python3 -c "import soundfile, av, espeakng_loader, torchao" 2>/dev/null; th
     "torchao==0.18.0 on the workstation and carry .whl" >&2
   exit 1
 fi
+if [ -n "${INDUCTOR_KNOBS:-}" ]; then  # checked here: a bad knob stops with its one line
+  export PYTHONPATH=$PWD/scripts/inductor_knobs:$PYTHONPATH
+  python3 -c pass || exit 1
+fi
 export PYTHONUNBUFFERED=1
 deadline=${DEADLINE:-540}
 logs=$(mktemp -d)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
+[ -n "${INDUCTOR_KNOBS:-}" ] && echo "INDUCTOR_KNOBS=$INDUCTOR_KNOBS" | tee -a "$out/device.txt"
 start=$SECONDS
 for arg in "$@"; do
   only=""
@@ -125,12 +135,12 @@ fi
 # them, so that a row is never read as the other tree's)
 for table in "$out"/*.md; do
   case ${table##*/} in baseline_*) continue ;; esac
-  echo "== $table"
+  echo "== $table${INDUCTOR_KNOBS:+ (INDUCTOR_KNOBS=$INDUCTOR_KNOBS)}"
   grep -v '^- `' "$table" | head -40
 done
 for table in "$out"/baseline_*.md; do
   [ -f "$table" ] || continue
-  echo "== BASELINE TREE ($baseline): $table"
+  echo "== BASELINE TREE ($baseline): $table${INDUCTOR_KNOBS:+ (INDUCTOR_KNOBS=$INDUCTOR_KNOBS)}"
   grep -v '^- `' "$table" | head -40
 done
 # each profiled step's headline and timeline by part (the whole summaries are in traces.txt)

@@ -789,6 +789,38 @@ def test_pyspy_regions_count_each_region_on_a_stack_and_give_ms_a_step():
     assert lines[at + 1].split()[-2:] == ["8", "66.7%"]
 
 
+def _python_with_knobs(knobs: str, code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "INDUCTOR_KNOBS": knobs,
+           "PYTHONPATH": os.pathsep.join([str(REPO / "scripts" / "inductor_knobs"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_inductor_knobs_set_inductor_config_in_a_new_process_or_stop_it_in_one_line():
+    """scripts/inductor_knobs/sitecustomize.py, as gpu_benchmarks.sh uses it (INDUCTOR_KNOBS):
+    a process started with it has the settings before any code of its own runs."""
+    run = _python_with_knobs(
+        "combo_kernels=True, triton.cudagraphs=True,no_c_shim=aten._grouped_mm.default",
+        "import torch._inductor.config as c\n"
+        "from torchgen.aoti.fallback_ops import inductor_fallback_ops as ops\n"
+        "print(c.combo_kernels, c.triton.cudagraphs, 'aten._grouped_mm.default' in ops,"
+        " 'aten._scaled_grouped_mm.default' in ops)")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True", "True", "False", "True"]
+    for knobs, line in (
+            ("combo_kernel=True", "INDUCTOR_KNOBS: torch._inductor.config has no combo_kernel"),
+            ("triton.cudagraph=True", "INDUCTOR_KNOBS: torch._inductor.config has no "
+                                      "triton.cudagraph"),
+            ("combo_kernels", "INDUCTOR_KNOBS: 'combo_kernels' is not key=value"),
+            ("combo_kernels=yes", "INDUCTOR_KNOBS: combo_kernels=yes: the value is not a "
+                                  "Python literal"),
+            ("no_c_shim=aten.mm.nothing", "INDUCTOR_KNOBS: no_c_shim=aten.mm.nothing: inductor "
+                                          "has no C shim of that op")):
+        run = _python_with_knobs(knobs, "print('ran')")
+        assert (run.returncode, run.stdout, run.stderr.strip()) == (2, "", line), knobs
+
+
 def test_ep4_rank_flavor_of_the_moe_and_its_one_gpu_points():
     """scripts/omni_flavors.py, imported as the trainer imports it: 30B-A3B with a quarter of
     its experts (one EP4 rank's) and nothing else changed; the 1-GPU MoE points select it
