@@ -11,8 +11,14 @@ Tasks (one JSONL file per task and split, ``{split}-{task}.jsonl``, media under 
   split uses a voice never heard in training;
 - ``generate``: image generation of a colored digit from its description.
 
-Held-out digits come from disjoint samples of the digits set. Everything is deterministic for a
-seed, and comes from installed packages only (no network).
+Held-out digits come from disjoint samples of the digits set. Everything comes from installed
+packages only (no network) and is reproducible for a seed: two builds with the same seed and the
+same package versions write the same bytes in every file but ``manifest.json`` (its
+``build_seconds``), whatever else their processes did before. The mp4s are also the same with
+FFmpeg's and x264's CPU-specific (SIMD) code off, as on another CPU; the other files were not
+compared across CPUs. eSpeak NG and x264 needed care for this (see ``speech`` and ``clips``);
+tests/data/test_reproducible_build.py pins it. Other package versions (PyAV's FFmpeg/x264,
+espeakng-loader, Pillow, scikit-learn, scikit-image, tokenizers) may write other bytes.
 """
 
 from __future__ import annotations
@@ -173,8 +179,9 @@ def _video_rows(w: _Writer, seed: int) -> None:
             w.add("video", split, {"messages": _chat(*turns), "videos": [rel]})
 
 
-def _speech_rows(w: _Writer, seed: int) -> None:
-    speaker = speech.Speaker()
+def speech_utterances(seed: int):
+    """The speech rows' utterances in the order the build says them: (split, index, text,
+    voice, rate, turns). One speaker says them all, so a clip depends on those before it."""
     for split in SPLITS:
         rng = random.Random(f"{seed}-speech-{split}")
         for i in range(SIZES["speech"][split]):
@@ -190,10 +197,16 @@ def _speech_rows(w: _Writer, seed: int) -> None:
                 )
                 said = f"a {color} {digit} {place}"
                 turns = ("<audio>\nTranscribe the audio.", said[0].upper() + said[1:] + ".")
-            wave = speaker.say(said, voice, rate)
-            rel = w.media_path("speech", split, i, "wav")
-            sf.write(os.path.join(w.root, rel), wave, speaker.sample_rate, subtype="PCM_16")
-            w.add("speech", split, {"messages": _chat(*turns), "audios": [rel]})
+            yield split, i, said, voice, rate, turns
+
+
+def _speech_rows(w: _Writer, seed: int) -> None:
+    speaker = speech.Speaker()
+    for split, i, said, voice, rate, turns in speech_utterances(seed):
+        wave = speaker.say(said, voice, rate)
+        rel = w.media_path("speech", split, i, "wav")
+        sf.write(os.path.join(w.root, rel), wave, speaker.sample_rate, subtype="PCM_16")
+        w.add("speech", split, {"messages": _chat(*turns), "audios": [rel]})
 
 
 def _generate_rows(w: _Writer, seed: int) -> None:

@@ -1,5 +1,14 @@
 """Short video clips for the bundled dataset: a handwritten digit moving across the frame,
-written as H.264/MPEG-4 mp4 with PyAV."""
+written as H.264/MPEG-4 mp4 with PyAV.
+
+The encoding is reproducible: the same frames give the same bytes on every run, and with
+FFmpeg's and x264's SIMD code off (as on another CPU), for the same PyAV/FFmpeg/x264 build.
+Frames go to the encoder as YUV made here in integer arithmetic, not by swscale (whose SIMD
+code rounds differently from its C code); x264 runs ``cpu-independent`` (its CPU-specific intra
+analysis reads uninitialized memory on these small frames: the same frames encoded twice could
+differ) and on one thread (its output depends on its thread count, which by default follows
+the machine's cores for bigger frames); the MPEG-4 fallback uses FFmpeg's bit-exact DCTs.
+"""
 
 from __future__ import annotations
 
@@ -36,19 +45,36 @@ def moving_digit(rng: random.Random, bank: DigitBank, size: int = 32, frames: in
     return out, int(bank.labels[pick]), color, direction
 
 
+def yuv420p(rgb: np.ndarray) -> np.ndarray:
+    """An RGB frame ``[H, W, 3]`` (even sides) as PyAV's yuv420p array ``[H * 3 / 2, W]``:
+    BT.601 limited range, chroma averaged over 2x2 pixels, in integer arithmetic."""
+    h, w = rgb.shape[:2]
+    r, g, b = (rgb[..., i].astype(np.int32) for i in range(3))
+    y = ((66 * r + 129 * g + 25 * b + 128) >> 8) + 16
+    r4, g4, b4 = (c.reshape(h // 2, 2, w // 2, 2).sum(axis=(1, 3)) for c in (r, g, b))
+    u = ((-38 * r4 - 74 * g4 + 112 * b4 + 512) >> 10) + 128
+    v = ((112 * r4 - 94 * g4 - 18 * b4 + 512) >> 10) + 128
+    return np.concatenate([y.ravel(), u.ravel(), v.ravel()]).astype(np.uint8).reshape(-1, w)
+
+
 def write_mp4(path: str, frames: np.ndarray, fps: int) -> None:
-    """Encode RGB frames to an mp4 file (H.264 when available, else MPEG-4 part 2)."""
+    """Encode RGB frames (even sides) to an mp4 file (H.264 when available, else MPEG-4 part 2),
+    reproducibly (see the module docstring)."""
     with av.open(path, "w") as container:
         try:
             stream = container.add_stream("libx264", rate=fps)
-            stream.options = {"crf": "18", "preset": "veryfast"}
+            stream.options = {"crf": "18", "preset": "veryfast", "threads": "1",
+                              "x264-params": "cpu-independent=1"}
         except Exception:  # noqa: BLE001  (a PyAV build without libx264)
             stream = container.add_stream("mpeg4", rate=fps)
             stream.bit_rate = 400_000
+            stream.options = {"threads": "1", "flags": "+bitexact", "dct": "int",
+                              "idct": "simple"}
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
         for f in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+            frame = av.VideoFrame.from_ndarray(yuv420p(f), format="yuv420p")
+            for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)

@@ -3,4 +3,4 @@ to tell a complete build of the current version from a missing, partial or outda
 
 MANIFEST = "manifest.json"
 #: bumped when the builder's output changes, so stale folders are not mistaken for current
-VERSION = 1
+VERSION = 2  # 2: reproducible speech (seeded eSpeak NG noise, private library state) and mp4s

@@ -1,22 +1,44 @@
 """Synthesized speech for the bundled dataset: eSpeak NG (bundled by the ``espeakng-loader``
-wheel) driven through ctypes, at its native 22.05 kHz (the pipeline resamples to 16 kHz)."""
+wheel) driven through ctypes, at its native 22.05 kHz (the pipeline resamples to 16 kHz).
+
+eSpeak NG is not reproducible as it comes: ``espeak_Initialize`` seeds the noise of breathy
+voices (the ``+f2``/``+f3`` variants) with the time of day, and synthesis carries state from one
+utterance to the next in static variables that no call resets (pitch flutter phase, gain
+control, glottal cycle count, filter memories). A :class:`Speaker` therefore loads its own copy
+of the library (fresh state whatever the process synthesized before) and reseeds the noise
+before every utterance: the same utterances said in the same order give the same bytes.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
+import tempfile
 
 import numpy as np
 
 _SYNCHRONOUS = 2  # AUDIO_OUTPUT_SYNCHRONOUS
 _POS_CHARACTER = 1
 _RATE = 1  # espeakRATE
+_NOISE_SEED = 0  # espeak_ng_SetRandSeed before each utterance
 _CALLBACK = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p
 )
 
 
+def _private_library(path: str) -> ctypes.CDLL:
+    """A copy of the shared library at ``path``, loaded apart from any other: its own static
+    (synthesis) state. The mapping outlives the copied file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = os.path.join(tmp, os.path.basename(path))
+        shutil.copyfile(path, copy)
+        return ctypes.CDLL(copy)
+
+
 class Speaker:
-    """Text -> int16 waveform with eSpeak NG. One per process (the library is global)."""
+    """Text -> int16 waveform with eSpeak NG, on a private copy of the library: its output
+    depends only on the utterances it said before (see the module docstring)."""
 
     def __init__(self) -> None:
         try:
@@ -26,7 +48,13 @@ class Speaker:
                 "the bundled dataset's speech needs the espeakng-loader wheel: "
                 "pip install espeakng-loader"
             ) from e
-        self._lib = ctypes.CDLL(espeakng_loader.get_library_path())
+        self._lib = _private_library(espeakng_loader.get_library_path())
+        if not hasattr(self._lib, "espeak_ng_SetRandSeed"):  # eSpeak NG < 1.52
+            raise ImportError(
+                "the bundled dataset's speech needs eSpeak NG 1.52 or later "
+                "(espeak_ng_SetRandSeed, for reproducible breathy voices): "
+                "pip install -U espeakng-loader"
+            )
         self._lib.espeak_Initialize.restype = ctypes.c_int
         self.sample_rate = self._lib.espeak_Initialize(
             _SYNCHRONOUS, 0, espeakng_loader.get_data_path().encode(), 0
@@ -47,6 +75,7 @@ class Speaker:
         if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
             raise ValueError(f"eSpeak NG has no voice {voice!r}")
         self._lib.espeak_SetParameter(_RATE, int(rate), 0)
+        self._lib.espeak_ng_SetRandSeed(_NOISE_SEED)  # else: seeded by the clock at init
         self._chunks = []
         data = text.encode()
         err = self._lib.espeak_Synth(data, len(data) + 1, 0, _POS_CHARACTER, 0, 0, None, None)
