@@ -24,12 +24,11 @@ import sys
 ENV = "INDUCTOR_KNOBS"
 
 
-def apply(spec: str) -> list[str]:
-    """Apply ``spec`` (see the module docstring); the settings made, as ``key=value``."""
+def apply(spec: str) -> None:
+    """Apply ``spec`` (see the module docstring)."""
     import torch._inductor.config as config
     from torchgen.aoti.fallback_ops import inductor_fallback_ops
 
-    made = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, sep, text = item.partition("=")
         if not sep or not key or not text:
@@ -51,8 +50,6 @@ def apply(spec: str) -> list[str]:
             if target is None or not hasattr(target, name):
                 raise ValueError(f"{ENV}: torch._inductor.config has no {key}")
             setattr(target, name, value)
-        made.append(item)
-    return made
 
 
 if os.environ.get(ENV):
