@@ -1032,3 +1032,58 @@ def test_loss_chunk_benchmark_times_both_forms_against_the_eager_kernel():
         assert r["grad diff"] < 1e-2 and r["loss rel diff"] < 1e-5
     if not torch.cuda.is_available():
         _refuses_without_a_gpu("bench_loss_chunk")
+
+
+def test_memory_summary_finds_the_peak_and_what_was_live_at_it(tmp_path):
+    mem = _script("summarize_memory")
+    gib = 1024**3
+
+    def frames(*where):  # innermost first, as a snapshot stores a stack
+        return [{"filename": f, "line": line, "name": name} for f, line, name in where]
+
+    block = frames(("/tmp/torchinductor_root/ab/" + "c" * 52 + ".py", 40, "call"),
+                   ("/x/torch/_dynamo/eval_frame.py", 9, "_fn"),
+                   ("/repo/torchtitan_omni/foundations/qwen3_moe.py", 82, "forward"),
+                   ("/repo/torchtitan_omni/train.py", 300, "forward_backward_step"))
+    head = frames(("/x/torch/functional.py", 5, "empty"),
+                  ("/repo/torchtitan_omni/modules/linear_cross_entropy.py", 115, "chunk"),
+                  ("/repo/torchtitan_omni/train.py", 300, "forward_backward_step"))
+    trace = [
+        {"action": "free_completed", "addr": 1, "size": 1 * gib},  # allocated before the window
+        {"action": "alloc", "addr": 10, "size": 2 * gib, "frames": block},
+        {"action": "alloc", "addr": 11, "size": 3 * gib, "frames": head},
+        {"action": "free_requested", "addr": 11, "size": 3 * gib},  # still held until completed
+        {"action": "alloc", "addr": 12, "size": 1 * gib, "frames": block},  # the peak: 2+3+1
+        {"action": "free_completed", "addr": 11, "size": 3 * gib},
+        {"action": "alloc", "addr": 13, "size": 2 * gib, "frames": head},  # 2+1+2 < the peak
+        {"action": "free_completed", "addr": 10, "size": 2 * gib},
+    ]
+    # now: 4 GiB from before the window (5 when it opened, 1 freed in it) and blocks 12 and 13
+    segments = [{"device": 1, "total_size": 12 * gib, "blocks": [
+        {"size": 4 * gib, "state": "active_allocated"},
+        {"size": 1 * gib, "state": "active_allocated"},
+        {"size": 2 * gib, "state": "active_pending_free"},
+        {"size": 5 * gib, "state": "inactive"}]}]
+    snapshot = {"segments": segments, "device_traces": [[], trace]}
+    peak = mem.summarize(snapshot)  # the one device with a trace
+    assert (peak.device, peak.index) == (1, 4)
+    assert peak.active_now_bytes == 7 * gib and peak.reserved_now_bytes == 12 * gib
+    # 5 GiB before the window (7 active now less the window's net 2), 1 of them freed before
+    # the peak, and 6 GiB allocated in the window and live at it
+    assert peak.peak_bytes == 10 * gib and peak.before_window_bytes == 4 * gib
+    # each block by its innermost repository frame and its innermost Python frame
+    assert peak.by_site == {
+        "torchtitan_omni/foundations/qwen3_moe.py:82 forward <- " + "c" * 52 + ".py:40 call":
+            [3 * gib, 2],
+        "torchtitan_omni/modules/linear_cross_entropy.py:115 chunk <- functional.py:5 empty":
+            [3 * gib, 1]}
+    by_repo = mem.summarize(snapshot, device=1, by="repo").by_site
+    assert by_repo == {"torchtitan_omni/foundations/qwen3_moe.py:82 forward": [3 * gib, 2],
+                       "torchtitan_omni/modules/linear_cross_entropy.py:115 chunk": [3 * gib, 1]}
+    text = mem.report(peak, top=1).splitlines()
+    assert text[1] == "peak of active memory in the window: 10.00 GiB at entry 4 of 8"
+    assert text[2].split()[:2] == ["4.000", "GiB"] and text[-1].endswith("(1 more sites)")
+    with pytest.raises(ValueError, match="no trace for device 3"):
+        mem.summarize(snapshot, device=3)
+    with pytest.raises(ValueError, match="2 devices have a trace"):
+        mem.summarize({"segments": [], "device_traces": [trace, trace]})
