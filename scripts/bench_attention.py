@@ -8,10 +8,10 @@ checks each against a float32 per-document reference:
   all documents), what ``torchtitan_omni.modules.attention`` ran for packed documents until
   2026-11-27;
 - ``varlen_aten``: the same kernels through ``aten._flash_attention_forward`` / ``_backward``
-  in a plain autograd function, without ``varlen_attn``'s custom-op layers: what
-  ``torchtitan_omni.modules.attention.varlen_attention`` runs on CUDA now (``FlashVarlen``,
-  called here; its host cost per call is what the launch-bound encoders pay 32 times a pass:
-  the "host ms" column);
+  behind one operator with its own backward, without ``varlen_attn``'s two custom-op layers:
+  what ``torchtitan_omni.modules.attention.varlen_attention`` runs on CUDA now (its
+  ``flash_varlen``, called here; its host cost per call is what the launch-bound encoders pay
+  32 times a pass: the "host ms" column);
 - ``sdpa_cudnn`` / ``sdpa_flash`` / ``sdpa_efficient``: ``scaled_dot_product_attention`` over
   whole rows with one backend (exact only when a row is one document, or for equal-length
   items batched together), k/v repeated to the query heads;

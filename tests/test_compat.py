@@ -82,13 +82,19 @@ def test_flash_attention_ops_take_what_compat_passes():
 
 
 def test_per_op_checkpointing_saves_the_flash_forward():
-    """What ``FlashVarlen`` runs in the forward is an op per-op checkpointing keeps."""
+    """What the flash varlen operator runs in the forward, and the operator itself, are ops
+    per-op checkpointing keeps."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     from torchtitan_omni.distributed.activation_checkpoint import _op_policy
 
-    op = torch.ops.aten._flash_attention_forward.default
-    assert _op_policy(None, op) == CheckpointPolicy.MUST_SAVE
+    import torchtitan_omni.modules.attention  # noqa: F401  (registers the operator)
+
+    for op in (torch.ops.aten._flash_attention_forward.default,
+               torch.ops.torchtitan_omni.flash_varlen.default):
+        assert _op_policy(None, op) == CheckpointPolicy.MUST_SAVE, op
+    assert _op_policy(None, torch.ops.torchtitan_omni.flash_varlen_backward.default) == \
+        CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def test_functional_collectives_have_the_signatures_used():

@@ -319,3 +319,43 @@ def test_compiled_moe_block_saves_only_its_inputs(compiled, checkpointed, saves_
             assert largest > block_input, (largest, block_input)
         else:  # the block's input itself (so the hook saw the compiled graph's saves)
             assert largest == block_input, (largest, block_input)
+
+
+def test_compiled_moe_block_traces_no_autograd_function():
+    """A MoE block checkpointed in full and compiled as one graph holds no
+    ``torch.autograd.Function``: its row maps and (on CUDA) its attention are operators with
+    their own backward. Inside such a graph, on CUDA, what an autograd.Function took as input
+    was kept for the backward instead of recomputed (the sorted copies, 1 GiB a layer at 16K
+    under EP2; forty-third session, ``test_gpu_fast_paths``' saved-tensors test), so dynamo's
+    ``autograd_function_apply`` must not appear in the block's graph."""
+    from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+    from torchtitan_omni.foundations.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
+    from torchtitan_omni.modules.init import init_context
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    args = Qwen3MoeArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
+                        vocab_size=128, num_experts=8, top_k=2, moe_hidden_dim=32,
+                        max_seq_len=256)
+    model = Qwen3Moe(args)
+    with init_context(model, seed=0):
+        model.init_weights(torch.device("cpu"))
+    block = model.layers["0"]
+    checkpoint_units([block], "full")
+    torch._dynamo.reset()
+    compile_units([block], keep)
+    x = torch.randn(1, 50, 64, requires_grad=True)
+    pos = torch.cat([torch.arange(30), torch.arange(20)]).unsqueeze(0)
+    out, _ = block(x, AttentionMeta(torch.tensor([0, 30, 50], dtype=torch.int32), 30, pos))
+    out.sum().backward()
+    targets = {str(node.target) for gm in graphs for module in gm.modules()
+               if isinstance(module, torch.fx.GraphModule)
+               for node in module.graph.nodes if node.op == "call_function"}
+    # the check's own control: the graph was captured, its checkpoint and row maps inside
+    assert {"tag_activation_checkpoint", "torchtitan_omni.gather_copies.default",
+            "torchtitan_omni.combine_copies.default"} <= targets, sorted(targets)
+    assert "autograd_function_apply" not in targets

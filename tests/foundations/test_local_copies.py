@@ -20,7 +20,6 @@ from torchtitan_omni.distributed.comm import GroupShape
 from torchtitan_omni.distributed.expert_gather import GatherExpertParallelDispatcher
 from torchtitan_omni.modules.local_copies import (
     combine_copies,
-    fork_rows,
     gather_copies,
     rows_below,
     slot_dots,
@@ -119,15 +118,13 @@ def test_gather_and_combine_gradients_match_a_dense_reference():
 
 
 @pytest.mark.parametrize("count", [0, 5, 9])
-def test_swiglu_and_fork_over_the_used_rows_match_autograd(count):
-    """``silu(a) * b`` and its gradients, and two consumers' gradients summed by
-    ``fork_rows``, against autograd (float64) on the rows below ``count``; zero past it (the
-    CPU implementation), whatever those rows hold (NaN)."""
+def test_swiglu_over_the_used_rows_matches_autograd(count):
+    """``silu(a) * b`` and its gradients against autograd (float64) on the rows below
+    ``count``; zero past it (the CPU implementation), whatever those rows hold (NaN)."""
     g = torch.Generator().manual_seed(count)
     a, b, up = (torch.randn(9, 6, generator=g, dtype=torch.float64) for _ in range(3))
     a[count:] = float("nan")
     c = torch.tensor(count)
-    x = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)
     ai, bi = a.clone().requires_grad_(), b.clone().requires_grad_()
     out = swiglu_rows(ai, bi, c)
     grads = torch.autograd.grad((out * up).sum(), (ai, bi))
@@ -139,10 +136,6 @@ def test_swiglu_and_fork_over_the_used_rows_match_autograd(count):
     for got, w in zip(grads, want):
         torch.testing.assert_close(got[:count], torch.zeros_like(got[:count]) if w is None else w)
         assert (got[count:] == 0).all()
-    x1, x2 = fork_rows(x, c)
-    (grad_x,) = torch.autograd.grad((x1 * 2 + x2 * up).sum(), (x,))
-    torch.testing.assert_close(grad_x[:count], (2 + up)[:count])
-    assert (grad_x[count:] == 0).all()
 
 
 def test_used_rows_are_refused_for_padded_groups_and_group_shape_checks_its_rank():
@@ -186,7 +179,7 @@ def test_compiled_code_sees_through_the_row_maps():
     """Under ``torch.compile`` the row maps are not opaque: AOT autograd decomposes them
     (``torch.library.triton_op``; on CUDA inductor then launches their Triton kernels from its
     own code), so neither the forward nor the backward graph calls a ``torchtitan_omni``
-    operator, and the compiled gather, SwiGLU, fork and combine give eager's values and
+    operator, and the compiled gather, SwiGLU and combine give eager's values and
     gradients (float64, CPU: torch's implementation inlined)."""
     from torch._dynamo.backends.common import aot_autograd
 
@@ -198,8 +191,8 @@ def test_compiled_code_sees_through_the_row_maps():
 
     def step(x, weights, order, inverse, count):
         rows = gather_copies(x, order, inverse, count, TOP_K)
-        a, b = fork_rows(rows, count)
-        return combine_copies(swiglu_rows(a, b * 0.5, count), weights, order, inverse, count)
+        return combine_copies(swiglu_rows(rows, rows * 0.5, count), weights, order, inverse,
+                              count)
 
     _, order, inverse, count = _routing(3, 2, 4)
     g = torch.Generator().manual_seed(3)
@@ -257,9 +250,8 @@ _INTERPRETED = textwrap.dedent("""
             a, b, g = (torch.randn(rows, width).to(dtype) for _ in range(3))
             a[count:] = float("nan")
             out = torch.full((rows, width), float("nan"), dtype=dtype)
-            assert lc._rowwise_triton(2, b, g, c, out=out)[count:].isnan().all()
+            assert lc._rowwise_triton(0, b, g, c, out=out)[count:].isnan().all()
             pairs = [(lc._rowwise_triton(0, a, b, c), lc._swiglu_torch(a, b, c)),
-                     (lc._rowwise_triton(2, a, b, c), lc._add_rows_torch(a, b, c)),
                      *zip(lc._rowwise_triton(1, a, b, c, g), lc._swiglu_backward_torch(g, a, b, c))]
             for got, want in pairs:
                 assert torch.allclose(got[:count].float(), want[:count].float(), rtol=tol,

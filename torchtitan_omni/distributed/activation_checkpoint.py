@@ -69,6 +69,7 @@ _SAVE_OPS = {
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_flash_attention_forward", "_efficient_attention_forward",
+    "flash_varlen",  # modules.attention's operator around _flash_attention_forward
     "all_to_all_single",
 }
 # ... and of these overloads: a whole tensor's max is what float8 scales come from (a scalar

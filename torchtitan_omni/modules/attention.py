@@ -3,10 +3,11 @@
 ``varlen_attention`` computes attention within each document of a packed sequence:
 
 - on CUDA through FlashAttention-2's varlen kernels, one launch for every document, called
-  through aten's op by :class:`FlashVarlen` (what ``torch.nn.attention.varlen.varlen_attn``
-  calls inside two custom ops: ``scripts/bench_attention.py`` measured a third to two thirds
-  less host time without them, and per-op activation checkpointing saves the aten op's output,
-  while it recomputed ``varlen_attn``'s);
+  through aten's op by one operator, :func:`flash_varlen` (``torch.nn.attention.varlen``'s
+  ``varlen_attn`` calls it inside two custom ops: ``scripts/bench_attention.py`` measured a
+  third to two thirds less host time for aten's op called from an autograd function, this
+  module's form until the forty-third session; one operator's host cost is not yet measured.
+  Per-op activation checkpointing saves its output, while it recomputed ``varlen_attn``'s);
 - when each row is a single document followed by padding (``AttentionMeta.whole_rows``:
   long-context rows), causal attention over the whole rows is exact for every real token and
   runs on ``scaled_dot_product_attention`` with the backends of :data:`ROW_BACKENDS` (cuDNN's
@@ -88,25 +89,54 @@ def _attention_block_masked(
     return o.transpose(0, 1)
 
 
-class FlashVarlen(torch.autograd.Function):
-    """Packed attention on FlashAttention-2's varlen kernels (CUDA, bf16/fp16): ``apply(q, k,
-    v, cu_seqlens, max_seqlen, causal, scale)`` as :func:`varlen_attention` takes them, with
-    ``cu_seqlens`` int32 on the device. k/v keep their heads (the kernels serve grouped
-    queries); the backward returns their gradients with those heads."""
+# An operator with its own backward, not a ``torch.autograd.Function``: inside a compiled block
+# checkpointed as a whole, an autograd.Function's inputs and saved outputs were kept for the
+# backward instead of recomputed (q and the attention's outputs of every layer; forty-third
+# session), where an operator's are recomputed. Per-op checkpointing keeps its output.
+@torch.library.custom_op(
+    "torchtitan_omni::flash_varlen", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor cu, SymInt max_seqlen, bool causal, "
+           "float? scale) -> (Tensor, Tensor, Tensor, Tensor)")
+def flash_varlen(q, k, v, cu, max_seqlen, causal, scale):
+    """Packed attention on FlashAttention-2's varlen kernels (CUDA, bf16/fp16) as
+    :func:`varlen_attention` takes it, with ``cu`` int32 on the device: ``(out, logsumexp,
+    rng_state, unused)`` (:func:`~torchtitan_omni.compat.flash_varlen_forward`). k/v keep their
+    heads (the kernels serve grouped queries); the backward returns their gradients with
+    those heads."""
+    return flash_varlen_forward(q, k, v, cu, max_seqlen, causal, scale)
 
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_seqlen, causal, scale):
-        out, lse, rng, unused = flash_varlen_forward(q, k, v, cu, max_seqlen, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse, rng, unused, cu)
-        ctx.max_seqlen, ctx.causal, ctx.scale = max_seqlen, causal, scale
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, rng, unused, cu = ctx.saved_tensors
-        dq, dk, dv = flash_varlen_backward(grad.contiguous(), q, k, v, out, lse, rng, unused, cu,
-                                           ctx.max_seqlen, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+@torch.library.custom_op(
+    "torchtitan_omni::flash_varlen_backward", mutates_args=(),
+    schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor rng, "
+           "Tensor unused, Tensor cu, SymInt max_seqlen, bool causal, float? scale) "
+           "-> (Tensor, Tensor, Tensor)")
+def flash_varlen_grad(grad, q, k, v, out, lse, rng, unused, cu, max_seqlen, causal, scale):
+    """``(dq, dk, dv)`` of :func:`flash_varlen` for the gradient ``grad`` of its output."""
+    return flash_varlen_backward(grad.contiguous(), q, k, v, out, lse, rng, unused, cu,
+                                 max_seqlen, causal, scale)
+
+
+# the shapes come from aten's own fake kernels of the two flash ops
+flash_varlen.register_fake(flash_varlen_forward)
+flash_varlen_grad.register_fake(
+    lambda grad, *rest: flash_varlen_backward(grad.contiguous(), *rest))
+
+
+def _flash_setup(ctx, inputs, output) -> None:
+    q, k, v, cu, max_seqlen, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, *output, cu)
+    ctx.max_seqlen, ctx.causal, ctx.scale = max_seqlen, causal, scale
+
+
+def _flash_backward(ctx, grad, *_):
+    q, k, v, out, lse, rng, unused, cu = ctx.saved_tensors
+    dq, dk, dv = flash_varlen_grad(grad, q, k, v, out, lse, rng, unused, cu, ctx.max_seqlen,
+                                   ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+flash_varlen.register_autograd(_flash_backward, setup_context=_flash_setup)
 
 
 def varlen_attention(
@@ -120,7 +150,7 @@ def varlen_attention(
     """
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return FlashVarlen.apply(q, k, v, cu, max_seqlen, causal, scale)
+        return flash_varlen(q, k, v, cu, max_seqlen, causal, scale)[0]
     if torch.compiler.is_compiling():
         return _attention_block_masked(q, k, v, cu_seqlens, causal, scale)
     return _attention_per_document(q, k, v, cu_seqlens, causal, scale)

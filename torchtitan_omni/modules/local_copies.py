@@ -35,9 +35,10 @@ the sums up to float32 summation order).
 
 Between them the experts (``modules.moe.GroupedExperts`` with ``used_rows``) keep to the used
 rows too: :func:`swiglu_rows` is SwiGLU's product ``silu(a) * b`` over the rows below
-``count`` (and its backward), and :func:`fork_rows` hands the gate and up projections one
-input each, summing their gradients over the rows below ``count`` (autograd would add the two
-over every row).
+``count`` (and its backward). The gate and up projections read the same rows, and autograd
+adds their two gradients over the whole buffer: a fork whose backward added them over the used
+rows only was an ``autograd.Function``, whose input a compiled, checkpointed block keeps (see
+the operators below), and an operator may not return its input.
 """
 
 from __future__ import annotations
@@ -120,11 +121,6 @@ def _swiglu_backward_torch(grad, a, b, count):
     return (torch.where(used, grad_a.to(a.dtype), 0), torch.where(used, grad_b.to(b.dtype), 0))
 
 
-def _add_rows_torch(a, b, count):
-    wide = _sum_dtype(a.dtype)
-    return torch.where(_used(a, count), (a.to(wide) + b.to(wide)).to(a.dtype), 0)
-
-
 # ---------------------------------------------------------------- Triton kernels (CUDA)
 
 if triton is not None:
@@ -185,7 +181,7 @@ if triton is not None:
     @triton.jit
     def _rowwise_kernel(a_ptr, b_ptr, c_ptr, out_ptr, out2_ptr, count_ptr, rows, width,
                         OP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        # OP 0: out = silu(a) * b; 1: (out, out2) = SwiGLU's gradients for grad c; 2: out = a + b
+        # OP 0: out = silu(a) * b; 1: (out, out2) = SwiGLU's gradients for grad c
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         limit = tl.where(row < tl.minimum(tl.load(count_ptr), rows), width, 0)
@@ -196,14 +192,12 @@ if triton is not None:
         if OP == 0:
             tl.store(out_ptr + at, (a * tl.sigmoid(a) * b).to(out_ptr.dtype.element_ty),
                      mask=mask)
-        elif OP == 1:
+        else:
             g = tl.load(c_ptr + at, mask=mask).to(tl.float32)
             sig = tl.sigmoid(a)
             tl.store(out_ptr + at, (g * b * sig * (1 + a * (1 - sig))).to(
                 out_ptr.dtype.element_ty), mask=mask)
             tl.store(out2_ptr + at, (g * a * sig).to(out2_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(out_ptr + at, (a + b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rowwise_triton(op: int, a, b, count, grad=None, out=None):
@@ -312,57 +306,67 @@ def slot_dots(src: torch.Tensor, other: torch.Tensor, pos: torch.Tensor, count: 
 
 # ---------------------------------------------------------------- differentiable steps
 
-class _GatherCopies(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, order, inverse, count, top_k: int):
-        ctx.save_for_backward(inverse, count)
-        ctx.top_k = top_k
-        return rows_below(x, torch.div(order, top_k, rounding_mode="floor"), None, count)
+# Operators with their own backward (``register_autograd``), not ``torch.autograd.Function``s:
+# inside a compiled block that is checkpointed as a whole, what an autograd.Function took as
+# input was kept for the backward instead of recomputed (on CUDA: the sorted copies, 1 GiB a
+# MoE layer at 16K under EP2, forty-third session), where an operator's is recomputed.
 
-    @staticmethod
-    def backward(ctx, grad):
-        inverse, count = ctx.saved_tensors
-        return slot_sums(grad, inverse, count, None, ctx.top_k), None, None, None, None
-
-
+@triton_op("torchtitan_omni::gather_copies", mutates_args=())
 def gather_copies(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
                   count: torch.Tensor, top_k: int) -> torch.Tensor:
     """``[len(order), D]``: row ``i < count`` is the token of slot ``order[i]`` (``x[order[i] //
     top_k]``, ``x`` ``[T, D]``); ``inverse[order] = arange``. The backward sums each token's
     slots below ``count``."""
-    return _GatherCopies.apply(x, order, inverse, count, top_k)
+    x, index = x.contiguous(), torch.div(order, top_k, rounding_mode="floor").contiguous()
+    run = _rows_below_triton if _kernels_take(x) else _rows_below_torch
+    return run(x, index, None, count)
 
 
-class _CombineCopies(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, weights, order, inverse, count):
-        top_k = weights.shape[1]
-        scale = weights.to(y.dtype)
-        ctx.save_for_backward(y, scale, order, inverse, count)
-        ctx.weights_dtype = weights.dtype
-        return slot_sums(y, inverse, count, scale, top_k)
-
-    @staticmethod
-    def backward(ctx, grad):
-        y, scale, order, inverse, count = ctx.saved_tensors
-        top_k = scale.shape[1]
-        grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_y = rows_below(grad, torch.div(order, top_k, rounding_mode="floor"),
-                                scale.reshape(-1).index_select(0, order), count)
-        if ctx.needs_input_grad[1]:
-            dots = slot_dots(y, grad, inverse, count, top_k)
-            grad_w = dots.to(y.dtype).to(ctx.weights_dtype)
-        return grad_y, grad_w, None, None, None
+def _gather_setup(ctx, inputs, output) -> None:
+    _, _, inverse, count, top_k = inputs
+    ctx.save_for_backward(inverse, count)
+    ctx.top_k = top_k
 
 
+def _gather_backward(ctx, grad):
+    inverse, count = ctx.saved_tensors
+    return slot_sums(grad, inverse, count, None, ctx.top_k), None, None, None, None
+
+
+gather_copies.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+@triton_op("torchtitan_omni::combine_copies", mutates_args=())
 def combine_copies(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
                    inverse: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """``[T, D]``: each token's slots below ``count`` un-sorted from ``y`` (row ``inverse[t *
     k + j]``) and summed weighed by ``weights`` ``[T, k]``, rounded to ``y``'s dtype as
     ``modules.moe.combine`` rounds them (weights in ``y``'s dtype, float32 products and sum,
     one rounding). Rows of ``y`` at or past ``count`` are never read."""
-    return _CombineCopies.apply(y, weights, order, inverse, count)
+    y, inverse = y.contiguous(), inverse.contiguous()
+    run = _slot_sums_triton if _kernels_take(y) else _slot_sums_torch
+    return run(y, inverse, count, weights.to(y.dtype), weights.shape[1])
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    y, weights, order, inverse, count = inputs
+    ctx.save_for_backward(y, weights, order, inverse, count)
+
+
+def _combine_backward(ctx, grad):
+    y, weights, order, inverse, count = ctx.saved_tensors
+    top_k = weights.shape[1]
+    grad_y = grad_w = None
+    if ctx.needs_input_grad[0]:
+        scale = weights.to(y.dtype).reshape(-1).index_select(0, order)
+        grad_y = rows_below(grad, torch.div(order, top_k, rounding_mode="floor"), scale, count)
+    if ctx.needs_input_grad[1]:
+        dots = slot_dots(y, grad, inverse, count, top_k)
+        grad_w = dots.to(y.dtype).to(weights.dtype)
+    return grad_y, grad_w, None, None, None
+
+
+combine_copies.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 @triton_op("torchtitan_omni::swiglu_rows", mutates_args=())
@@ -396,29 +400,3 @@ def _swiglu_backward(ctx, grad):
 
 swiglu_rows.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
-
-@triton_op("torchtitan_omni::add_rows", mutates_args=())
-def add_rows(a: torch.Tensor, b: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """``a + b`` for the rows below ``count`` (float32 inside); the rest unwritten on CUDA,
-    zero elsewhere."""
-    if _kernels_take(a):
-        return _rowwise_triton(2, a, b, count)
-    return _add_rows_torch(a, b, count)
-
-
-class _ForkRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, count):
-        ctx.save_for_backward(count)
-        return x.view_as(x), x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad_1, grad_2):
-        (count,) = ctx.saved_tensors
-        return add_rows(grad_1, grad_2, count), None
-
-
-def fork_rows(x: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` twice (views), for two consumers whose gradients are summed over the rows below
-    ``count`` only: the rows past it of ``x``'s gradient are left unwritten (zero off CUDA)."""
-    return _ForkRows.apply(x, count)

@@ -75,7 +75,6 @@ from torchtitan_omni.compat import grouped_mm
 from torchtitan_omni.modules import init
 from torchtitan_omni.modules.local_copies import (
     combine_copies,
-    fork_rows,
     gather_copies,
     swiglu_rows,
 )
@@ -214,9 +213,9 @@ class GroupedExperts(nn.Module):
         """Exact groups: ``x`` ``[M, D]`` sorted by local expert, ``counts`` ``[local experts]``;
         padded groups: ``x`` ``[local experts, R, D]``, ``counts`` None. Same shape out.
         ``used_rows`` (exact groups, a device scalar: ``counts.sum()``) says that the rows past
-        the groups are never read: SwiGLU's product and the sum of the input's two gradients
-        then skip them (``modules.local_copies``; the gather dispatch's worst-case buffer), and
-        those rows of the output and of ``x``'s gradient are left unspecified."""
+        the groups are never read: SwiGLU's product and its backward then skip them
+        (``modules.local_copies``; the gather dispatch's worst-case buffer), and those rows of
+        the output and of ``x``'s gradient are left unspecified."""
         local = self.num_local_experts
         n_groups = x.shape[0] if counts is None else counts.shape[0]
         if n_groups != local:
@@ -238,8 +237,7 @@ class GroupedExperts(nn.Module):
                              "padded groups have no rows past them")
         groups = ExpertGroups(counts, dtype)
         if used_rows is not None:
-            x_gate, x_up = fork_rows(x, used_rows)
-            h = swiglu_rows(self.project(x_gate, "w1", groups), self.project(x_up, "w3", groups),
+            h = swiglu_rows(self.project(x, "w1", groups), self.project(x, "w3", groups),
                             used_rows)
         else:
             h = F.silu(self.project(x, "w1", groups)) * self.project(x, "w3", groups)
