@@ -167,18 +167,12 @@ def test_compiled_block_matches_eager_block():
 
 def test_compiled_moe_block_with_capacity_dispatch_matches_eager():
     from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+    from tests.distributed.common import qwen3_moe_foundation
     from torchtitan_omni.distributed.compile import compile_units
-    from torchtitan_omni.foundations.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
-    from torchtitan_omni.modules.init import init_context
     from torchtitan_omni.modules.moe_capacity import CapacityDispatcher
 
-    args = Qwen3MoeArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64,
-                        vocab_size=512, num_experts=16, top_k=4, moe_hidden_dim=128,
-                        max_seq_len=4096)
-    eager = Qwen3Moe(args)
-    with init_context(eager, seed=0):
-        eager.init_weights(torch.device("cuda"))
-    eager = eager.cuda().bfloat16()
+    eager = qwen3_moe_foundation(256, 2, experts=16, top_k=4, device="cuda",
+                                 dtype=torch.bfloat16)
     for layer in eager.layers.values():
         # C = 1024 x 4 / 16 = 256 slots per expert: the 1536-token batch must drop copies
         layer.moe.dispatcher = CapacityDispatcher(16, 4, 1.0, tokens=1024)
@@ -638,24 +632,17 @@ def test_local_copies_triton_kernels_match_torch_on_cuda(dtype):
         assert torch.isfinite(a).all() and _rel(a, b) < tol
 
 
-def saved_by_compiled_moe_block(docs: list[int], dim: int = 256,
-                                whole_rows: bool = False) -> tuple[int, list]:
+def saved_by_compiled_moe_block(docs: list[int], whole_rows: bool = False) -> tuple[int, list]:
     """One Qwen3-MoE block (bf16, on the GPU) checkpointed in full and compiled with inductor,
     as the trainer lays it out under ``activation_checkpoint.mode = "full"``: its input's
     elements and what its forward saves for the backward other than its parameters and buffers, as
     ``(elements, shape, dtype)``, largest first."""
+    from tests.distributed.common import qwen3_moe_foundation
     from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
     from torchtitan_omni.distributed.compile import compile_units
-    from torchtitan_omni.foundations.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
-    from torchtitan_omni.modules.init import init_context
 
-    args = Qwen3MoeArgs(dim=dim, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64,
-                        vocab_size=512, num_experts=16, top_k=4, moe_hidden_dim=128,
-                        max_seq_len=8192)
-    model = Qwen3Moe(args)
-    with init_context(model, seed=0):
-        model.init_weights(torch.device("cuda"))
-    model = model.cuda().bfloat16()
+    model = qwen3_moe_foundation(256, 1, experts=16, top_k=4, device="cuda",
+                                 dtype=torch.bfloat16)
     block = model.layers["0"]
     checkpoint_units([block], "full")
     compile_units([block], "inductor")
@@ -668,7 +655,7 @@ def saved_by_compiled_moe_block(docs: list[int], dim: int = 256,
         return t
 
     s = sum(docs)
-    x = torch.randn(1, s, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, s, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
     pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0).cuda()
     meta = AttentionMeta(cu.cuda(), max(docs), pos, whole_rows=whole_rows)

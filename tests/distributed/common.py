@@ -194,6 +194,19 @@ def build_model(spec: ModelSpec) -> OmniModel:
     return OmniModel(llm, encoders, plan=_plan(spec.moe, spec.encoder_mesh))
 
 
+def qwen3_moe_foundation(dim: int, layers: int, experts: int, top_k: int, device: str,
+                         dtype: torch.dtype = torch.float32, max_seq_len: int = 4096) -> Qwen3Moe:
+    """A Qwen3-MoE foundation alone (4 query and 2 key/value heads of ``dim / 4``, experts of
+    ``dim / 2`` hidden), initialized with seed 0, on ``device`` in ``dtype``: the single-block
+    checks of compiled and checkpointed MoE layers."""
+    model = Qwen3Moe(Qwen3MoeArgs(
+        dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, head_dim=dim // 4, vocab_size=512,
+        num_experts=experts, top_k=top_k, moe_hidden_dim=dim // 2, max_seq_len=max_seq_len))
+    with init.init_context(model, seed=0):
+        model.init_weights(torch.device(device))
+    return model.to(device=device, dtype=dtype)
+
+
 def reference_model(spec: ModelSpec, seed: int = 0, device: str = "cpu") -> OmniModel:
     """An unsharded, initialized copy (float32)."""
     with torch.device(device):

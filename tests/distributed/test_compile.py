@@ -328,9 +328,8 @@ def test_compiled_moe_block_traces_no_autograd_function():
     was kept for the backward instead of recomputed (the sorted copies, 1 GiB a layer at 16K
     under EP2; forty-third session, ``test_gpu_fast_paths``' saved-tensors test), so dynamo's
     ``autograd_function_apply`` must not appear in the block's graph."""
+    from tests.distributed.common import qwen3_moe_foundation
     from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
-    from torchtitan_omni.foundations.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
-    from torchtitan_omni.modules.init import init_context
 
     graphs = []
 
@@ -338,13 +337,7 @@ def test_compiled_moe_block_traces_no_autograd_function():
         graphs.append(gm)
         return gm.forward
 
-    args = Qwen3MoeArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
-                        vocab_size=128, num_experts=8, top_k=2, moe_hidden_dim=32,
-                        max_seq_len=256)
-    model = Qwen3Moe(args)
-    with init_context(model, seed=0):
-        model.init_weights(torch.device("cpu"))
-    block = model.layers["0"]
+    block = qwen3_moe_foundation(64, 1, experts=8, top_k=2, device="cpu").layers["0"]
     checkpoint_units([block], "full")
     torch._dynamo.reset()
     compile_units([block], keep)
