@@ -101,3 +101,46 @@ def test_whole_rows_reads_the_layout():
     assert not whole_rows(cu(0, 90, 100, 150, 180, 200), 2, torch.tensor(170))
     assert not whole_rows(cu(0, 100), 1, torch.tensor(0))  # a row of padding only
     assert not whole_rows(cu(0, 100), 1, None)
+
+
+def test_flash_varlen_operator_traces_as_one_op_with_its_backward_op():
+    """The CUDA path's operator (``flash_varlen``, FlashAttention-2 varlen through aten) checked
+    without a GPU, on meta tensors through aten's own fake kernels: its outputs' shapes (the
+    logsumexp ``[heads, tokens]`` in float32, the RNG state and its unused companion), the
+    gradients of q, k and v (k/v keeping their two heads), and under ``torch.compile`` (sizes
+    dynamic, so ``max_seqlen`` is symbolic) one opaque op in the forward graph and its backward
+    op in the backward graph, so a checkpointed compiled block recomputes it rather than
+    keeping what an autograd.Function took (docs/performance.md, forty-third session)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from torchtitan_omni.modules.attention import flash_varlen
+
+    def inputs(tokens):
+        made = [torch.empty(tokens, heads, 64, dtype=torch.bfloat16, device="meta",
+                            requires_grad=True) for heads in (4, 2, 2)]
+        return (*made, torch.empty(3, dtype=torch.int32, device="meta"))
+
+    q, k, v, cu = inputs(10)
+    out, lse, rng, unused = flash_varlen(q, k, v, cu, 6, True, None)
+    assert (out.shape, lse.shape, lse.dtype) == (q.shape, (4, 10), torch.float32)
+    assert (rng.shape, rng.dtype, unused.shape) == ((2,), torch.uint64, ())
+    out.float().sum().backward()
+    assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, cu, s: flash_varlen(q, k, v, cu, s, True, None)[0],
+                             backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                             fullgraph=True, dynamic=True)
+    q, k, v, cu = inputs(12)
+    compiled(q, k, v, cu, 8).float().sum().backward()
+    ops = [sorted({str(n.target) for n in gm.graph.nodes if "torchtitan_omni" in str(n.target)})
+           for gm in graphs]
+    assert ops == [["torchtitan_omni.flash_varlen.default"],
+                   ["torchtitan_omni.flash_varlen_backward.default"]], ops
+    assert k.grad.shape == (12, 2, 64)
