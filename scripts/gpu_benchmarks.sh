@@ -17,6 +17,10 @@
 # into traces.txt, with the fixed part of a point profiled at 8K and at 16K (the same name
 # otherwise: what of its step does not grow with tokens); the tables are printed last.
 #
+# EXTRA="--profiling.enable_memory_snapshot --profiling.profile_freq 4 --training.steps 5
+# --lr_scheduler.warmup_steps 5" snapshots every rank's memory at step 4; memory.txt then holds
+# what each held at its peak (scripts/summarize_memory.py), the baseline tree's too.
+#
 # EXTRA="<arguments>" appends trainer arguments to every point (bench_scaling.py --extra), e.g.
 # EXTRA="--profiling.enable_profiling --profiling.profile_freq 20" with a 30-step point profiles
 # its step 20 (summarized into traces.txt); KEEP_TRACES=1 brings the raw rank-0 traces back
@@ -125,6 +129,13 @@ for small in outputs/bench_*_8k_*/profile_traces/*/rank*_trace.json; do
   large=${small/_8k_/_16k_}
   [ -f "$large" ] || continue
   python3 scripts/summarize_trace.py --top 15 --fixed-part "$small" "$large" >> "$out/traces.txt"
+done
+# memory snapshots (EXTRA="--profiling.enable_memory_snapshot --profiling.profile_freq N"),
+# this tree's and the baseline tree's: what each rank held at its peak (summarize_memory.py)
+for snap in outputs/bench_*/memory_snapshot/*/rank*_memory_snapshot.pickle \
+    ${baseline:+"$baseline"/outputs/bench_*/memory_snapshot/*/rank*_memory_snapshot.pickle}; do
+  [ -f "$snap" ] || continue
+  { echo "== $snap"; python3 scripts/summarize_memory.py "$snap" --top 25; } >> "$out/memory.txt" 2>&1
 done
 if [ -d "$logs/traces" ]; then
   tar -cf "$out/traces.tar" -C "$logs/traces" . 2>/dev/null
