@@ -632,7 +632,7 @@ def test_local_copies_triton_kernels_match_torch_on_cuda(dtype):
         assert torch.isfinite(a).all() and _rel(a, b) < tol
 
 
-def saved_by_compiled_moe_block(docs: list[int], whole_rows: bool = False) -> tuple[int, list]:
+def saved_by_compiled_moe_block(docs: list[int]) -> tuple[int, list]:
     """One Qwen3-MoE block (bf16, on the GPU) checkpointed in full and compiled with inductor,
     as the trainer lays it out under ``activation_checkpoint.mode = "full"``: its input's
     elements and what its forward saves for the backward other than its parameters and buffers, as
@@ -658,7 +658,7 @@ def saved_by_compiled_moe_block(docs: list[int], whole_rows: bool = False) -> tu
     x = torch.randn(1, s, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
     pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0).cuda()
-    meta = AttentionMeta(cu.cuda(), max(docs), pos, whole_rows=whole_rows)
+    meta = AttentionMeta(cu.cuda(), max(docs), pos)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, _ = block(x, meta)
     out.float().sum().backward()  # the saved tensors are what the backward can run from

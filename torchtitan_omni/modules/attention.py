@@ -106,21 +106,20 @@ def flash_varlen(q, k, v, cu, max_seqlen, causal, scale):
     return flash_varlen_forward(q, k, v, cu, max_seqlen, causal, scale)
 
 
-@torch.library.custom_op(
-    "torchtitan_omni::flash_varlen_backward", mutates_args=(),
-    schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor rng, "
-           "Tensor unused, Tensor cu, SymInt max_seqlen, bool causal, float? scale) "
-           "-> (Tensor, Tensor, Tensor)")
-def flash_varlen_grad(grad, q, k, v, out, lse, rng, unused, cu, max_seqlen, causal, scale):
+def _flash_grad(grad, q, k, v, out, lse, rng, unused, cu, max_seqlen, causal, scale):
     """``(dq, dk, dv)`` of :func:`flash_varlen` for the gradient ``grad`` of its output."""
     return flash_varlen_backward(grad.contiguous(), q, k, v, out, lse, rng, unused, cu,
                                  max_seqlen, causal, scale)
 
 
-# the shapes come from aten's own fake kernels of the two flash ops
+flash_varlen_grad = torch.library.custom_op(
+    "torchtitan_omni::flash_varlen_backward", _flash_grad, mutates_args=(),
+    schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor rng, "
+           "Tensor unused, Tensor cu, SymInt max_seqlen, bool causal, float? scale) "
+           "-> (Tensor, Tensor, Tensor)")
+# the shapes come from aten's own fake kernels of the two flash ops, run by the same bodies
 flash_varlen.register_fake(flash_varlen_forward)
-flash_varlen_grad.register_fake(
-    lambda grad, *rest: flash_varlen_backward(grad.contiguous(), *rest))
+flash_varlen_grad.register_fake(_flash_grad)
 
 
 def _flash_setup(ctx, inputs, output) -> None:
