@@ -28,8 +28,8 @@
 # a rank for the 8B's realistic step, so profile one or two points then).
 #
 # INDUCTOR_KNOBS="key=value,..." sets torch._inductor.config for every point (and the baseline
-# tree's) through scripts/inductor_knobs/sitecustomize.py, e.g. combo_kernels=True, or
-# cpp_wrapper=True,no_c_shim=aten._grouped_mm.default: an A/B of inductor's settings without a
+# tree's) through scripts/inductor_knobs/sitecustomize.py, e.g. combo_kernels=True, or (torch
+# 2.13) cpp_wrapper=True,no_c_shim=aten._grouped_mm.default: an A/B of inductor's settings without a
 # code change (run the script twice in one call, with and without, OUT=$OUT/<name> apart).
 #
 # BASELINE_TREE=<folder> runs each argument's points again in an older tree right after this

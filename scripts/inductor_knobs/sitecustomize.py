@@ -8,11 +8,11 @@ ranks and inductor's compile workers alike)::
 
 Each ``key=value`` sets ``torch._inductor.config.<key>`` (a dotted key reaches a sub-config,
 e.g. ``triton.cudagraphs``) to the Python literal ``value``. ``no_c_shim=<op>`` (repeatable)
-makes inductor's C++ wrapper call that aten op through the dispatcher instead of its C shim:
-torch 2.11 lists ``aten._grouped_mm.default`` among its shimmed ops, but its headers lack
-``aoti_torch_cuda__grouped_mm``, so the C++ wrapper does not build for the MoE blocks
-(forty-first session). A key inductor does not have, or an item that is not ``key=value``,
-stops the process with one line naming it.
+makes inductor's C++ wrapper call that aten op through the dispatcher instead of its C shim
+(an op inductor's ``inductor_fallback_ops`` lists: torch 2.13 lists ``aten._grouped_mm.default``;
+torch 2.11 does not, so there the knob is refused, forty-third session). A key inductor does
+not have, a ``no_c_shim`` op it does not list, or an item that is not ``key=value``, stops the
+process with one line naming it.
 """
 
 from __future__ import annotations
