@@ -74,7 +74,7 @@ def test_per_op_checkpoint_saves_the_varlen_attention():
         calls = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ == "_flash_attention_forward":
+            if func.overloadpacket.__name__ == "flash_varlen":
                 CountFlash.calls += 1
             return func(*args, **(kwargs or {}))
 
@@ -632,11 +632,11 @@ def test_local_copies_triton_kernels_match_torch_on_cuda(dtype):
         assert torch.isfinite(a).all() and _rel(a, b) < tol
 
 
-def saved_by_compiled_moe_block(docs: list[int]) -> tuple[int, list]:
-    """One Qwen3-MoE block (bf16, on the GPU) checkpointed in full and compiled with inductor,
-    as the trainer lays it out under ``activation_checkpoint.mode = "full"``: its input's
-    elements and what its forward saves for the backward other than its parameters and buffers, as
-    ``(elements, shape, dtype)``, largest first."""
+def saved_by_compiled_moe_block(docs: list[int], option: str = "full") -> tuple[int, list]:
+    """One Qwen3-MoE block (bf16, on the GPU) checkpointed in full (``option`` "full") or by a
+    per-op selective option ("op", "attention") and compiled with inductor, as the trainer lays
+    it out: its input's elements and what its forward saves for the backward other than its
+    parameters and buffers, as ``(elements, shape, dtype)``, largest first."""
     from tests.distributed.common import qwen3_moe_foundation
     from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
     from torchtitan_omni.distributed.compile import compile_units
@@ -644,7 +644,7 @@ def saved_by_compiled_moe_block(docs: list[int]) -> tuple[int, list]:
     model = qwen3_moe_foundation(256, 1, experts=16, top_k=4, device="cuda",
                                  dtype=torch.bfloat16)
     block = model.layers["0"]
-    checkpoint_units([block], "full")
+    checkpoint_units([block], *(("full",) if option == "full" else ("selective", option)))
     compile_units([block], "inductor")
     state = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}  # rope tables too
     saved = []
@@ -674,3 +674,16 @@ def test_compiled_moe_block_under_full_ac_saves_only_its_input():
     block_input, saved = saved_by_compiled_moe_block([600, 424])
     larger = [item for item in saved if item[0] > block_input]
     assert saved and not larger, saved
+
+
+def test_compiled_moe_block_under_attention_ac_saves_its_input_and_the_attention():
+    """``selective_ac_option = "attention"`` inside a compiled MoE block keeps the attention's
+    output (``[tokens, heads, head_dim]``) and its float32 softmax statistics besides the
+    block's input, and nothing larger than the input: the expert copies are recomputed."""
+    block_input, saved = saved_by_compiled_moe_block([600, 424], "attention")
+    larger = [item for item in saved if item[0] > block_input]
+    assert not larger, saved
+    tokens = 1024
+    assert any(len(shape) == 3 and shape[0] == tokens and dtype == torch.bfloat16
+               for _, shape, dtype in saved), saved  # the output
+    assert any(tokens in shape and dtype == torch.float32 for _, shape, dtype in saved), saved

@@ -314,12 +314,19 @@ def test_cpu_offload_needs_a_gpu_job_with_fsdp(monkeypatch):
     _parse("--training.enable_cpu_offload")
 
 
-def test_per_op_ac_with_expert_parallel_is_refused(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+def test_per_op_ac_with_expert_parallel_needs_the_experts_outside_fsdp(monkeypatch):
+    """Per-op AC ('op', 'attention') with EP: refused where the experts have an FSDP unit of
+    their own (4 ranks, EP2: sharded over 2), accepted where they have none (2 ranks, EP2)."""
     moe = str(REPO / "train_configs" / "qwen3_moe_omni_debug.toml")
-    line = _refused_line("--job.config_file", moe, "--parallelism.expert_parallel_degree", "2",
-                         "--activation_checkpoint.mode", "selective",
-                         "--activation_checkpoint.selective_ac_option", "op")
-    assert "selective_ac_option" in line and "expert_parallel_degree" in line
+    for option in ("op", "attention"):
+        per_op = ("--job.config_file", moe, "--parallelism.expert_parallel_degree", "2",
+                  "--activation_checkpoint.mode", "selective",
+                  "--activation_checkpoint.selective_ac_option", option)
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        line = _refused_line(*per_op)
+        assert "selective_ac_option" in line and "= 2 ranks" in line and option in line, line
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        _parse(*per_op)
+    monkeypatch.setenv("WORLD_SIZE", "4")
     _parse("--job.config_file", moe, "--parallelism.expert_parallel_degree", "2",
            "--activation_checkpoint.mode", "full")

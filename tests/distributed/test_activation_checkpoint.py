@@ -141,3 +141,43 @@ def test_per_op_checkpointing_keeps_the_all_to_all_results():
     for result in run_distributed(_exchanges_in_backward, 2):
         assert result["kept"] == 1 and result["again"] == 2, result
         assert result["same_grad"], result
+
+
+class _AttentionBlock(torch.nn.Module):
+    """A projection, causal attention (CPU's flash kernel) and an output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)  # 3 x [B, H, S, D]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("option, attention_again, projections_again", [
+    ("full", 1, 1), ("op", 0, 0), ("attention", 0, 1)])
+def test_attention_option_keeps_the_attention_and_recomputes_the_rest(
+        option, attention_again, projections_again):
+    """``selective_ac_option = "attention"`` keeps the attention kernel's outputs (the backward
+    does not run it again) and recomputes the projections, where "op" keeps both and full AC
+    neither; the input's gradient is the same in every mode (one process, float32)."""
+    from tests.test_float8 import calls_in_backward
+
+    torch.manual_seed(0)
+    reference = _AttentionBlock()
+    block = copy.deepcopy(reference)
+    mode = ("full", "1") if option == "full" else ("selective", option)
+    assert checkpoint_units([block], *mode) == 1
+    x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(1))
+    attention = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,)
+    again, grad = calls_in_backward(block, x, *attention)
+    assert again == attention_again
+    # the projections' forward matmuls are addmm (the backward's own are mm); the recompute
+    # stops once it has what the backward needs: q, k and v, not the output projection
+    projections, _ = calls_in_backward(copy.deepcopy(block), x, torch.ops.aten.addmm.default)
+    assert projections == projections_again
+    _, reference_grad = calls_in_backward(reference, x, *attention)
+    torch.testing.assert_close(grad, reference_grad, rtol=0, atol=0)

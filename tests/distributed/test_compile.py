@@ -165,7 +165,8 @@ def test_run_train_compiled_matches_eager_with_gather_dispatch():
     """EP2 with the gather dispatch (no host read): the MoE blocks compiled, each as one graph
     with its checkpoint inside (their experts outside FSDP under full AC: no FSDP hooks
     around them), train the eager losses; so do they with both blocks one FSDP unit
-    (``parallelism.llm_blocks_per_fsdp_unit``)."""
+    (``parallelism.llm_blocks_per_fsdp_unit``), and under the per-op selective AC that keeps
+    only the attention's outputs (allowed with EP where the experts skip FSDP)."""
     config = REPO / "train_configs" / "qwen3_moe_omni_debug.toml"
     common = ("--training.steps", "3", "--lr_scheduler.warmup_steps", "2",
               "--debug.deterministic", "--debug.seed", "42",
@@ -174,8 +175,11 @@ def test_run_train_compiled_matches_eager_with_gather_dispatch():
     compiled = ("--compile.enable", "--compile.components", "model", "--compile.backend",
                 "aot_eager")
     runs = {}
+    attention = ("--activation_checkpoint.mode", "selective",
+                 "--activation_checkpoint.selective_ac_option", "attention")
     for tag, extra in (("eager", ()), ("compiled", compiled),
-                       ("grouped", (*compiled, "--parallelism.llm_blocks_per_fsdp_unit", "2"))):
+                       ("grouped", (*compiled, "--parallelism.llm_blocks_per_fsdp_unit", "2")),
+                       ("attention", (*compiled, *attention))):
         run = run_train(config, 2, *common, "--job.dump_folder",
                         f"outputs/test_compile_gather_{tag}", *extra)
         assert run.returncode == 0, run.output[-4000:]
@@ -186,7 +190,8 @@ def test_run_train_compiled_matches_eager_with_gather_dispatch():
     # one graph a block: nothing compiled in pieces before the checkpoint
     assert "torch.compile: llm: 2" in runs["compiled"].output, runs["compiled"].output[-3000:]
     assert "with graph breaks" not in runs["compiled"].output
-    for tag in ("compiled", "grouped"):
+    assert "Experts outside FSDP" in runs["attention"].output
+    for tag in ("compiled", "grouped", "attention"):
         for step in (1, 2, 3):
             assert abs(runs[tag].losses[step] - runs["eager"].losses[step]) <= 2e-5, (
                 tag, runs["eager"].losses, runs[tag].losses)
@@ -352,3 +357,24 @@ def test_compiled_moe_block_traces_no_autograd_function():
     assert {"tag_activation_checkpoint", "torchtitan_omni.gather_copies.default",
             "torchtitan_omni.combine_copies.default"} <= targets, sorted(targets)
     assert "autograd_function_apply" not in targets
+
+
+def test_encoder_attention_option_keeps_only_the_attention_in_encoder_blocks():
+    """``omni.encoder_activation_checkpoint = "attention"`` checkpoints every encoder block
+    with the per-op policy that keeps the attention's outputs, beside an LLM on "op"."""
+    from torchtitan_omni.distributed.activation_checkpoint import PER_OP_OPTIONS
+
+    spec = get_train_spec("llama_omni")
+    with torch.device("meta"):
+        model = spec.model_cls(spec.model_args["debugmodel"])
+    job = _job("llama_omni", "--omni.encoder_activation_checkpoint", "attention")
+    done = apply_activation_checkpointing(model, model.parallel_plan, job)
+    assert done.keys() > {"llm"} and len(done) >= 3, done  # the LLM and its encoders
+    for part in model.parallel_plan.parts:
+        if part.root not in done:  # a part without blocks to checkpoint
+            continue
+        option = "op" if part.root == "llm" else "attention"
+        units = [m for _, m in matching_modules(model, part.root, part.ac_units)]
+        assert len(units) == done[part.root] and all(
+            u._omni_checkpoint_options["context_fn"] is PER_OP_OPTIONS[option] for u in units
+        ), part.root

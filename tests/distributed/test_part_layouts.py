@@ -130,7 +130,7 @@ def test_frozen_parts_keep_the_plan_mesh_unless_their_own_table_says_otherwise()
      "'dp_shard', 'none', got 'shard'"),
     ('[parallelism.parts."encoders.audio"]\nactivation_checkpoint = true\n',
      'parallelism.parts."encoders.audio".activation_checkpoint must be one of \'none\', '
-     "'full', 'op', got True"),
+     "'full', 'op', 'attention', got True"),
     ('[parallelism.parts."encoders.vision"]\nranks = [0]\n',  # tests/distributed/
      'parallelism.parts."encoders.audio".ranks is not set while '  # test_noncolocated_trainer
      'parallelism.parts."encoders.vision".ranks is'),

@@ -238,10 +238,11 @@ class Omni:
     moe_aux_loss_weight: float = 0.001
     """Weight of the MoE load-balancing loss (Qwen3-MoE's router_aux_loss_coef)."""
 
-    encoder_activation_checkpoint: Literal["none", "full", "op"] = "none"
+    encoder_activation_checkpoint: Literal["none", "full", "op", "attention"] = "none"
     """Activation checkpointing of encoder and decoder blocks ([activation_checkpoint] covers
     the LLM): "full" recomputes each block in backward, "op" saves the outputs of its matrix
-    products and attention and recomputes the rest (TorchTitan's selective per-op AC)."""
+    products and attention and recomputes the rest (TorchTitan's selective per-op AC),
+    "attention" saves only the attention's outputs (as selective_ac_option "attention")."""
 
     encoder_checkpoint_min_tokens: int = 0
     """Encoder and decoder blocks checkpointed above (or by their parallelism.parts table) run

@@ -7,7 +7,8 @@ A table is keyed by a part's qualified name as the model names it (``"encoders.v
 - ``fsdp_unit``: as ``parallelism.encoder_fsdp_unit`` ("block", "part");
 - ``sequence_parallel`` (encoders only): as ``parallelism.encoder_sequence_parallel``
   ("replicate", "split", "balance");
-- ``activation_checkpoint``: as ``omni.encoder_activation_checkpoint`` ("none", "full", "op").
+- ``activation_checkpoint``: as ``omni.encoder_activation_checkpoint`` ("none", "full", "op",
+  "attention").
 
 - ``ranks`` (encoders only): the global ranks the encoder runs on, apart from the LLM
   (non-colocated encoders; what goes with it is checked by

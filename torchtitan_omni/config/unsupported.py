@@ -235,8 +235,8 @@ KEYS: dict[str, Rule] = {
     "activation_checkpoint.mode": checked(
         "the LLM's blocks (torchtitan_omni.distributed.activation_checkpoint): none, full or "
         "selective", V.ac_mode),
-    "activation_checkpoint.selective_ac_option": checked("'op' or every N-th block",
-                                                         V.selective_ac_option),
+    "activation_checkpoint.selective_ac_option": checked(
+        "'op', 'attention' or every N-th block", V.selective_ac_option),
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": refused(
         "per-op SAC here saves every matmul and attention output and takes no list of forced "
         "recomputes"),

@@ -124,23 +124,39 @@ def ac_mode(value, cfg, ctx) -> str | None:
 
 
 def selective_ac_option(value, cfg, ctx) -> str | None:
-    """'op' or every N-th block, when selective AC is on."""
+    """'op', 'attention' (per-op) or every N-th block, when selective AC is on."""
     if cfg.activation_checkpoint.mode != "selective":
         return None
-    if value == "op":
-        if cfg.parallelism.expert_parallel_degree > 1:
-            # the experts' own FSDP unit gathers inside the checkpointed block; per-op AC's
-            # replay cannot run those hooks again
-            return ("'op' cannot be combined with parallelism.expert_parallel_degree > 1; use "
-                    "activation_checkpoint.mode full or selective_ac_option N (every N-th block)")
-        return None
+    if value in ("op", "attention"):
+        return _per_op_with_experts_problem(value, cfg, ctx)
     try:
         every = int(value)
     except ValueError:
         every = 0
     if every < 1:
-        return ("must be 'op' or a whole number >= 1 (checkpoint every N-th layer), "
-                f"got {value!r}")
+        return ("must be 'op', 'attention' or a whole number >= 1 (checkpoint every N-th "
+                f"layer), got {value!r}")
+    return None
+
+
+def _per_op_with_experts_problem(value, cfg, ctx) -> str | None:
+    """Per-op AC under expert parallel needs the experts outside FSDP: an FSDP unit of their
+    own gathers inside the checkpointed block, and per-op AC's replay cannot run those hooks
+    again. They are outside where their FSDP ranks (dp_replicate x dp_shard x ulysses / ep)
+    are one, without CPU offload (``parallelize.experts_outside_fsdp``)."""
+    ep = cfg.parallelism.expert_parallel_degree
+    if ep <= 1:
+        return None
+    d = ctx.degrees
+    expert_fsdp = (d["data_parallel_replicate_degree"] * d["data_parallel_shard_degree"]
+                   * d["ulysses_degree"] // ep)
+    if expert_fsdp > 1 or cfg.training.enable_cpu_offload:
+        why = ("training.enable_cpu_offload gives them one" if expert_fsdp == 1 else
+               f"they are FSDP-sharded over dp_replicate x dp_shard x ulysses / "
+               f"expert_parallel_degree = {expert_fsdp} ranks")
+        return (f"{value!r} with parallelism.expert_parallel_degree > 1 needs the experts "
+                f"without an FSDP unit, and {why}; use activation_checkpoint.mode full or "
+                "selective_ac_option N (every N-th block)")
     return None
 
 

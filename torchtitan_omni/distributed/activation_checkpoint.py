@@ -2,13 +2,17 @@
 
 The LLM's units (the plan's ``ac_units`` of the ``llm`` part) follow TorchTitan's
 ``[activation_checkpoint]``: ``mode = "none" | "full" | "selective"``, where selective takes
-``selective_ac_option`` = N (every N-th unit, counted per part) or ``"op"`` (every unit, saving
-the outputs of matmuls, attention and all-to-alls and recomputing the rest). Encoder and
-decoder units follow their ``activation_checkpoint``: their ``[parallelism.parts."<part>"]``
-table's, else ``omni.encoder_activation_checkpoint`` (``"none" | "full" | "op"``, the last
-being the per-op selective mode). ``omni.encoder_checkpoint_min_tokens`` exempts their small
-calls: a unit whose input holds fewer rows (tokens, patches, frames) than that runs without a
-checkpoint.
+``selective_ac_option`` = N (every N-th unit, counted per part), ``"op"`` (every unit, saving
+the outputs of matmuls, attention and all-to-alls and recomputing the rest) or ``"attention"``
+(every unit, saving only the attention kernel's outputs: the one part of a block whose
+recompute grows with the square of its documents' length, for about one activation of memory
+a block). Encoder and decoder units follow their ``activation_checkpoint``: their
+``[parallelism.parts."<part>"]`` table's, else ``omni.encoder_activation_checkpoint``
+(``"none" | "full" | "op" | "attention"``, the last two the per-op selective modes). Under
+expert parallel the per-op modes need the experts outside FSDP (``config.values`` refuses them
+otherwise): an FSDP unit of the experts' own would run its hooks inside the block.
+``omni.encoder_checkpoint_min_tokens`` exempts their small calls: a unit whose input holds
+fewer rows (tokens, patches, frames) than that runs without a checkpoint.
 Those calls save little memory, and on the GPU their recompute is almost all host time (an
 encoder block on a few thumbnails: dozens of kernel launches for microseconds of work each).
 The result is the same either way: recomputing repeats the forward exactly.
@@ -58,20 +62,23 @@ from torchtitan_omni.distributed.expert_parallel import expert_parallel_layers
 from torchtitan_omni.distributed.recompute_tape import checkpoint_contexts
 from torchtitan_omni.modules.wrapping import extend_class
 
-# Per-op selective checkpointing keeps the outputs of these ops (by name, every overload):
-# matmuls (float8 linears run ``_scaled_mm`` on GPUs; emulated float8 runs ``mm``),
-# attention, and all-to-alls (torch's functional collective: Ulysses' head/sequence
-# exchanges): recomputing an exchange would put communication back on the backward's
-# critical path (TorchTitan's MoE models keep theirs for the same reason). The rest is
-# recomputed.
-_SAVE_OPS = {
-    "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm",
+# The attention kernels (by name, every overload): what ``selective_ac_option = "attention"``
+# keeps. Their outputs are about one activation a block (the output and a row of softmax
+# statistics per head), their recompute the block's only work quadratic in document length.
+_ATTENTION_OPS = {
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_flash_attention_forward", "_efficient_attention_forward",
     "flash_varlen",  # modules.attention's operator around _flash_attention_forward
-    "all_to_all_single",
 }
+# Per-op selective checkpointing ("op") keeps the outputs of these ops: matmuls (float8
+# linears run ``_scaled_mm`` on GPUs; emulated float8 runs ``mm``), attention, and all-to-alls
+# (torch's functional collective: Ulysses' head/sequence exchanges): recomputing an exchange
+# would put communication back on the backward's critical path (TorchTitan's MoE models keep
+# theirs for the same reason). The rest is recomputed.
+_SAVE_OPS = {
+    "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "all_to_all_single",
+} | _ATTENTION_OPS
 # ... and of these overloads: a whole tensor's max is what float8 scales come from (a scalar
 # to keep, as TorchTitan's list does; ``max.dim`` and the like are recomputed)
 _SAVE_OVERLOADS = {torch.ops.aten.max.default}
@@ -84,8 +91,23 @@ def _op_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _attention_policy(ctx, op, *args, **kwargs):
+    packet = getattr(op, "overloadpacket", None)
+    if packet is not None and packet.__name__ in _ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _op_context():
     return create_selective_checkpoint_contexts(_op_policy)
+
+
+def _attention_context():
+    return create_selective_checkpoint_contexts(_attention_policy)
+
+
+#: the per-op selective options: what each keeps
+PER_OP_OPTIONS = {"op": _op_context, "attention": _attention_context}
 
 
 def pieces_around_exchanges(unit: nn.Module) -> list[nn.Module]:
@@ -113,16 +135,16 @@ def checkpoint_units(units: list[nn.Module], mode: str, option: str = "1", *,
     kwargs: dict[str, Any] = {"preserve_rng_state": preserve_rng_state, "use_reentrant": False}
     if mode == "full":
         every = 1
-    elif mode == "selective" and option == "op":
+    elif mode == "selective" and option in PER_OP_OPTIONS:
         every = 1
-        kwargs["context_fn"] = _op_context
+        kwargs["context_fn"] = PER_OP_OPTIONS[option]
     elif mode == "selective":
         try:
             every = int(option)
         except ValueError:
             raise ValueError(
-                f"activation_checkpoint.selective_ac_option must be 'op' or a whole number, "
-                f"got {option!r}"
+                f"activation_checkpoint.selective_ac_option must be 'op', 'attention' or a whole "
+                f"number, got {option!r}"
             ) from None
         if every < 1:
             raise ValueError(f"activation_checkpoint.selective_ac_option must be >= 1, got {every}")

@@ -53,7 +53,7 @@ from torchtitan_omni.distributed.part_layouts import (
     is_llm_part, part_is_one_unit, part_mesh_choice, part_settings,
 )
 from torchtitan_omni.data.packing import BatchPlan
-from torchtitan_omni.distributed.activation_checkpoint import checkpoint_units
+from torchtitan_omni.distributed.activation_checkpoint import PER_OP_OPTIONS, checkpoint_units
 from torchtitan_omni.distributed.activation_offload import offload_activations
 from torchtitan_omni.distributed.compile import compile_loss_heads, compile_units
 from torchtitan_omni.distributed.boundary import BalanceLedger, install_balanced_encoders
@@ -171,13 +171,13 @@ def experts_outside_fsdp(dims: OmniParallelDims, job_config: JobConfig) -> bool:
     is one rank, each expert lives on one rank only, so there is nothing to gather and its
     gradient is complete where it is computed. A one-rank unit would still copy its
     parameters in and out of a gather and a reduce-scatter per layer and pass. Only where every
-    LLM block is checkpointed (full, or per-op selective AC, or every block's): the experts
+    LLM block is checkpointed (full, or a per-op selective AC, or every block's): the experts
     then cast their parameters to the compute dtype inside the checkpoint, and autograd keeps
     no cast copy until the backward. Not with CPU offload, which must move them."""
     emesh = dims.expert_mesh()
     ac = job_config.activation_checkpoint
     every_block = ac.mode == "full" or (
-        ac.mode == "selective" and str(ac.selective_ac_option) in ("op", "1"))
+        ac.mode == "selective" and str(ac.selective_ac_option) in (*PER_OP_OPTIONS, "1"))
     return (emesh is not None and emesh.size() == 1 and every_block
             and not job_config.training.enable_cpu_offload)
 
@@ -281,8 +281,8 @@ def apply_activation_checkpointing(
         else:
             mode = part_settings(job_config, part.root).activation_checkpoint
             min_rows = job_config.omni.encoder_checkpoint_min_tokens
-            n = (checkpoint_units(units, "selective", "op", min_rows=min_rows) if mode == "op"
-                 else checkpoint_units(units, mode, min_rows=min_rows))
+            n = (checkpoint_units(units, "selective", mode, min_rows=min_rows)
+                 if mode in PER_OP_OPTIONS else checkpoint_units(units, mode, min_rows=min_rows))
         if n:
             done[part.root] = n
     return done
@@ -290,10 +290,10 @@ def apply_activation_checkpointing(
 
 # ----------------------------------------------------------------- torch.compile
 def _per_op_ac(plan: OmniParallelPlan, job_config: JobConfig) -> bool:
-    """Whether some part uses per-op selective activation checkpointing."""
+    """Whether some part uses a per-op selective activation checkpointing."""
     ac = job_config.activation_checkpoint
-    return ((ac.mode == "selective" and str(ac.selective_ac_option) == "op")
-            or any(part_settings(job_config, p.root).activation_checkpoint == "op"
+    return ((ac.mode == "selective" and str(ac.selective_ac_option) in PER_OP_OPTIONS)
+            or any(part_settings(job_config, p.root).activation_checkpoint in PER_OP_OPTIONS
                    for p in plan.parts if not is_llm_part(p)))
 
 
