@@ -327,6 +327,10 @@ def test_per_op_ac_with_expert_parallel_needs_the_experts_outside_fsdp(monkeypat
         assert "selective_ac_option" in line and "= 2 ranks" in line and option in line, line
         monkeypatch.setenv("WORLD_SIZE", "2")
         _parse(*per_op)
+    # CPU offload keeps the experts in FSDP (it must move them), one expert-FSDP rank or not
+    monkeypatch.setattr(V.platform, "is_cpu", lambda: False)
+    line = _refused_line(*per_op, "--training.enable_cpu_offload")
+    assert "selective_ac_option" in line and "enable_cpu_offload" in line, line
     monkeypatch.setenv("WORLD_SIZE", "4")
     _parse("--job.config_file", moe, "--parallelism.expert_parallel_degree", "2",
            "--activation_checkpoint.mode", "full")
