@@ -65,8 +65,9 @@ from torchtitan_omni.modules.wrapping import extend_class
 # The attention kernels (by name, every overload): what ``selective_ac_option = "attention"``
 # keeps. Their outputs are about one activation a block (the output and a row of softmax
 # statistics per head), their recompute the block's only work quadratic in document length.
-# Where SDPA takes its math path (CPU, for strided per-document inputs) it runs matmuls and a
-# softmax, no kernel of this list: there the option recomputes what full AC does.
+# Where SDPA takes its math path (on CPU for the per-document calls' unbatched [heads, tokens,
+# dim] inputs) it runs matmuls and a softmax, no kernel of this list: there the option
+# recomputes what full AC does.
 _ATTENTION_OPS = {
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
