@@ -48,6 +48,7 @@ checkpointing refuses.)
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -87,18 +88,19 @@ _SAVE_OPS = {
 _SAVE_OVERLOADS = {torch.ops.aten.max.default}
 
 
-def _op_policy(ctx, op, *args, **kwargs):
-    packet = getattr(op, "overloadpacket", None)
-    if (packet is not None and packet.__name__ in _SAVE_OPS) or op in _SAVE_OVERLOADS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def _policy_keeping(names: set[str], overloads: Collection = ()):
+    """A per-op policy that saves the outputs of the ops named in ``names`` (every overload)
+    and of ``overloads``, and recomputes the rest (the sets are read at each call)."""
+    def policy(ctx, op, *args, **kwargs):
+        packet = getattr(op, "overloadpacket", None)
+        if (packet is not None and packet.__name__ in names) or op in overloads:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
 
 
-def _attention_policy(ctx, op, *args, **kwargs):
-    packet = getattr(op, "overloadpacket", None)
-    if packet is not None and packet.__name__ in _ATTENTION_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+_op_policy = _policy_keeping(_SAVE_OPS, _SAVE_OVERLOADS)
+_attention_policy = _policy_keeping(_ATTENTION_OPS)
 
 
 def _op_context():

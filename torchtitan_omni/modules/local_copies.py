@@ -317,9 +317,7 @@ def gather_copies(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
     """``[len(order), D]``: row ``i < count`` is the token of slot ``order[i]`` (``x[order[i] //
     top_k]``, ``x`` ``[T, D]``); ``inverse[order] = arange``. The backward sums each token's
     slots below ``count``."""
-    x, index = x.contiguous(), torch.div(order, top_k, rounding_mode="floor").contiguous()
-    run = _rows_below_triton if _kernels_take(x) else _rows_below_torch
-    return run(x, index, None, count)
+    return rows_below(x, torch.div(order, top_k, rounding_mode="floor"), None, count)
 
 
 def _gather_setup(ctx, inputs, output) -> None:
