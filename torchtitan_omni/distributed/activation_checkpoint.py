@@ -88,19 +88,21 @@ _SAVE_OPS = {
 _SAVE_OVERLOADS = {torch.ops.aten.max.default}
 
 
-def _policy_keeping(names: set[str], overloads: Collection = ()):
-    """A per-op policy that saves the outputs of the ops named in ``names`` (every overload)
-    and of ``overloads``, and recomputes the rest (the sets are read at each call)."""
-    def policy(ctx, op, *args, **kwargs):
-        packet = getattr(op, "overloadpacket", None)
-        if (packet is not None and packet.__name__ in names) or op in overloads:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return policy
+def _keep(op, names: set[str], overloads: Collection = ()) -> CheckpointPolicy:
+    """Save the outputs of the ops named in ``names`` (every overload) and of ``overloads``;
+    recompute the rest."""
+    packet = getattr(op, "overloadpacket", None)
+    if (packet is not None and packet.__name__ in names) or op in overloads:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_op_policy = _policy_keeping(_SAVE_OPS, _SAVE_OVERLOADS)
-_attention_policy = _policy_keeping(_ATTENTION_OPS)
+def _op_policy(ctx, op, *args, **kwargs):
+    return _keep(op, _SAVE_OPS, _SAVE_OVERLOADS)
+
+
+def _attention_policy(ctx, op, *args, **kwargs):
+    return _keep(op, _ATTENTION_OPS)
 
 
 def _op_context():
