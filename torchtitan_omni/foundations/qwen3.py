@@ -10,8 +10,6 @@ Hugging Face ``Qwen3ForCausalLM`` through ``torchtitan_omni.foundations.hf_adapt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
-
 from torchtitan_omni.foundations.decoder import DecoderLM, DecoderLMArgs, PreNormBlock
 from torchtitan_omni.foundations.hf_adapters import Qwen3HFAdapter
 from torchtitan_omni.modules.attention import SelfAttention
@@ -20,8 +18,10 @@ from torchtitan_omni.modules.rope import RotaryEmbedding
 
 
 @dataclass
-class Qwen3Args(DecoderLMArgs):
-    """Qwen3 dense hyper-parameters (defaults: Qwen3-8B's config.json)."""
+class Qwen3FamilyArgs(DecoderLMArgs):
+    """What Qwen3 dense and Qwen3-MoE arguments share: the attention's shape (GQA with an
+    explicit ``head_dim`` and per-head q/k RMSNorm), RoPE and the vocabulary. The defaults are
+    Qwen3-8B's; a subclass overrides those its checkpoint differs in."""
 
     dim: int = 4096
     n_layers: int = 36
@@ -29,7 +29,6 @@ class Qwen3Args(DecoderLMArgs):
     n_kv_heads: int = 8
     head_dim: int = 128
     vocab_size: int = 151936
-    ffn_hidden_dim: int = 12288
     norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     #: RoPE table length (HF max_position_embeddings); raised to training.seq_len if shorter
@@ -43,18 +42,14 @@ class Qwen3Args(DecoderLMArgs):
         return self.head_dim
 
 
-class Qwen3AttentionShape(Protocol):
-    """The fields of Qwen3 and Qwen3-MoE arguments that shape their attention."""
+@dataclass
+class Qwen3Args(Qwen3FamilyArgs):
+    """Qwen3 dense hyper-parameters (defaults: Qwen3-8B's config.json)."""
 
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    attention_bias: bool
-    norm_eps: float
+    ffn_hidden_dim: int = 12288
 
 
-def qwen3_attention(args: Qwen3AttentionShape, rope: RotaryEmbedding) -> SelfAttention:
+def qwen3_attention(args: Qwen3FamilyArgs, rope: RotaryEmbedding) -> SelfAttention:
     """Qwen3's attention (dense and MoE alike): GQA with per-head q/k RMSNorm."""
     return SelfAttention(
         args.dim, args.n_heads, args.n_kv_heads, args.head_dim, qkv_bias=args.attention_bias,

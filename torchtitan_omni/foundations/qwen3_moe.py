@@ -22,40 +22,26 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan_omni.foundations.hf_adapters import Qwen3MoeHFAdapter
-from torchtitan_omni.foundations.qwen3 import qwen3_attention
+from torchtitan_omni.foundations.qwen3 import Qwen3FamilyArgs, qwen3_attention
 from torchtitan_omni.modules.moe import GroupedExperts, MoE, RoutingStats, load_balancing_loss
 from torchtitan_omni.modules.rope import RotaryEmbedding
-from torchtitan_omni.foundations.decoder import DecoderLM, DecoderLMArgs, PreNormBlock
+from torchtitan_omni.foundations.decoder import DecoderLM, PreNormBlock
 from torchtitan_omni.protocols.modules import AttentionMeta
 
 AUX_LOSS = "moe_aux"
 
 
 @dataclass
-class Qwen3MoeArgs(DecoderLMArgs):
+class Qwen3MoeArgs(Qwen3FamilyArgs):
     """Qwen3-MoE hyper-parameters (defaults: Qwen3-30B-A3B)."""
 
     dim: int = 2048
     n_layers: int = 48
-    n_heads: int = 32
     n_kv_heads: int = 4
-    head_dim: int = 128
-    vocab_size: int = 151936
     num_experts: int = 128
     top_k: int = 8
     moe_hidden_dim: int = 768
     norm_topk_prob: bool = True
-    norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    #: RoPE table length (HF max_position_embeddings); raised to training.seq_len if shorter
-    max_seq_len: int = 40960
-    attention_bias: bool = False
-    #: depth-scaled init of output projections (TorchTitan's default)
-    depth_init: bool = True
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim
 
 
 class Qwen3MoeBlock(PreNormBlock):
