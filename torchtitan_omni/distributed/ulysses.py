@@ -119,7 +119,7 @@ class UlyssesRunner:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(degree={self.degree})"
 
-    def _check(self, attn: nn.Module, meta: AttentionMeta, local_len: int) -> int:
+    def _check(self, attn: SelfAttention, meta: AttentionMeta, local_len: int) -> int:
         # a host tensor is read (no device sync); inside a compiled graph it is not read at all
         on_host = meta.cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling()
         full = int(meta.cu_seqlens[-1]) if on_host else None
@@ -132,7 +132,7 @@ class UlyssesRunner:
             )
         return kv_replication(attn.n_heads, attn.n_kv_heads, self.degree)
 
-    def __call__(self, attn: nn.Module, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def __call__(self, attn: SelfAttention, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         rep = self._check(attn, meta, x.shape[1])
         q, k, v = attn.project_qkv(x, meta)
         k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
@@ -162,10 +162,10 @@ class AsyncUlyssesRunner(UlyssesRunner):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(degree={self.degree}, head_chunks={self.head_chunks})"
 
-    def __call__(self, attn: nn.Module, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def __call__(self, attn: SelfAttention, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         rep = self._check(attn, meta, x.shape[1])
         if self.head_chunks > 1:
-            return self._pipelined(cast("SelfAttention", attn), x, meta, rep, self.head_chunks)
+            return self._pipelined(attn, x, meta, rep, self.head_chunks)
         g = self.group
         q_buf, q_pending = all_to_all_start(attn.project(x, "q", meta), HEAD_DIM, SEQ_DIM, g)
         k = _repeat_kv(attn.project(x, "k", meta), rep)
