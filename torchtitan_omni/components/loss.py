@@ -40,6 +40,9 @@ class OmniLoss:
             w = self.aux_weight if name in aux_losses else self.weight(name)
             term = w * value
             loss = term if loss is None else loss + term
+        if loss is None:  # a model whose forward produced no loss term at all
+            raise ValueError("the step has no loss to backpropagate: the model returned no loss "
+                             "sums and no auxiliary losses")
         return loss, parts
 
 
