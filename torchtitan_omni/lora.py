@@ -17,6 +17,7 @@ passed over.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -83,7 +84,7 @@ def _frozen_problem(name: str, module: nn.Module, key: str) -> str | None:
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float,
-               target_modules: list[str], train_modules: list[str] = ()) -> LoraSummary:
+               target_modules: Sequence[str], train_modules: Sequence[str] = ()) -> LoraSummary:
     """Freeze ``model``, add adapters to ``target_modules`` and unfreeze ``train_modules``
     (see the module docstring); raises ``ValueError`` with one line for bad settings."""
     if rank < 1:

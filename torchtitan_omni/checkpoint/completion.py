@@ -166,7 +166,8 @@ class Candidate:
 
 def scan(folder: str) -> tuple[list[Candidate], list[str]]:
     """Complete checkpoints in ``folder`` (oldest first) and one line per skipped folder."""
-    complete, skipped = [], []
+    complete: list[Candidate] = []
+    skipped: list[str] = []
     if not os.path.isdir(folder):
         return complete, skipped
     for name in sorted(os.listdir(folder)):

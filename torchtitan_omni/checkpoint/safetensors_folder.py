@@ -90,9 +90,10 @@ class SafetensorsFolder:
         self.folder = folder
         if not os.path.isdir(folder):
             raise CheckpointFormatError(f"Hugging Face checkpoint folder not found: {folder}")
-        files = {f: set() for f in files} if files is not None else self._files()
+        by_file: dict[str, set[str]] = ({f: set() for f in files} if files is not None
+                                        else self._files())
         self.tensors: dict[str, TensorInfo] = {}
-        for path, expected in files.items():
+        for path, expected in by_file.items():
             for key, entry in read_header(path).items():
                 if key in self.tensors:
                     raise CheckpointFormatError(
