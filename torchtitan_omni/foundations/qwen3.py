@@ -10,6 +10,7 @@ Hugging Face ``Qwen3ForCausalLM`` through ``torchtitan_omni.foundations.hf_adapt
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from torchtitan_omni.foundations.decoder import DecoderLM, DecoderLMArgs, PreNormBlock
 from torchtitan_omni.foundations.hf_adapters import Qwen3HFAdapter
 from torchtitan_omni.modules.attention import SelfAttention
