@@ -30,7 +30,8 @@
 # INDUCTOR_KNOBS="key=value,..." sets torch._inductor.config for every point (and the baseline
 # tree's) through scripts/inductor_knobs/sitecustomize.py, e.g. combo_kernels=True, or (torch
 # 2.13) cpp_wrapper=True,no_c_shim=aten._grouped_mm.default: an A/B of inductor's settings without a
-# code change (run the script twice in one call, with and without, OUT=$OUT/<name> apart).
+# code change (run the script twice in one call, with and without, OUT=$OUT/<name> apart); on
+# torch 2.11, which has no C shim of grouped GEMM, cpp_wrapper=True,fallback=aten._grouped_mm.default.
 #
 # BASELINE_TREE=<folder> runs each argument's points again in an older tree right after this
 # tree's (the same call, so the ratio is fair), its tables as baseline_*.md; make it before the

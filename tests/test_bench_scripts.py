@@ -821,6 +821,34 @@ def test_inductor_knobs_set_inductor_config_in_a_new_process_or_stop_it_in_one_l
         assert (run.returncode, run.stdout, run.stderr.strip()) == (2, "", line), knobs
 
 
+def test_inductor_knob_fallback_calls_the_op_instead_of_its_lowering():
+    """``fallback=<op>`` (how the forty-sixth session ran the C++ wrapper on torch 2.11, which
+    has no C shim of grouped GEMM): the compiled graph calls the aten op itself where inductor
+    would otherwise pick its kernel (``extern_kernels._grouped_mm``), with the same result; an
+    op inductor does not lower stops the process in one line."""
+    code = (
+        "import torch\n"
+        "from torch._inductor.utils import run_and_get_code\n"
+        "def f(x, w, offs):\n"
+        "    return torch._grouped_mm(x, w, offs=offs).relu()\n"
+        "x = torch.randn(12, 8, dtype=torch.bfloat16)\n"
+        "w = torch.randn(3, 8, 8, dtype=torch.bfloat16)\n"
+        "offs = torch.tensor([4, 8, 12], dtype=torch.int32)\n"
+        "out, (src, *_) = run_and_get_code(torch.compile(f), x, w, offs)\n"
+        "print(torch.equal(out, f(x, w, offs)), 'torch.ops.aten._grouped_mm.default(' in src,"
+        " 'extern_kernels._grouped_mm(' in src)")
+    lowered = _python_with_knobs("combo_kernels=False", code)
+    assert lowered.returncode == 0, lowered.stderr
+    assert lowered.stdout.split() == ["True", "False", "True"]
+    fallen_back = _python_with_knobs("fallback=aten._grouped_mm.default", code)
+    assert fallen_back.returncode == 0, fallen_back.stderr
+    assert fallen_back.stdout.split() == ["True", "True", "False"]
+    run = _python_with_knobs("fallback=aten.no_such_op.default", "print('ran')")
+    assert (run.returncode, run.stdout, run.stderr.strip()) == (
+        2, "", "INDUCTOR_KNOBS: fallback=aten.no_such_op.default: inductor has no lowering of "
+               "that op")
+
+
 def test_ep4_rank_flavor_of_the_moe_and_its_one_gpu_points():
     """scripts/omni_flavors.py, imported as the trainer imports it: 30B-A3B with a quarter of
     its experts (one EP4 rank's) and nothing else changed; the 1-GPU MoE points select it
