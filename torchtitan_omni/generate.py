@@ -193,7 +193,7 @@ class Generator:
                 f"generate.mode='image' needs an image decoder; {type(self.model).__name__} has "
                 "none"
             )
-        decoder = self.model.decoders[B.GEN_IMAGE]
+        decoder = self.model.decoder(B.GEN_IMAGE)
         per_image = decoder.processing().num_tokens()
         cond = generation_prompt(self.tok, caption)
         uncond = generation_prompt(self.tok, caption, unconditional=True)
@@ -219,7 +219,7 @@ class Generator:
         """Images ``[n, 3, H, W]`` in ``[-1, 1]`` drawn for ``caption`` (see
         :meth:`image_codes`)."""
         codes = self.image_codes(caption, **kwargs)
-        return self.model.decoders[B.GEN_IMAGE].lm_generate(codes)
+        return self.model.decoder(B.GEN_IMAGE).lm_generate(codes)
 
 
 def save_png(image: torch.Tensor, path: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -120,12 +121,20 @@ class OmniModel(ModelProtocol):
         self.encoders = nn.ModuleDict(encoders or {})
         self.decoders = nn.ModuleDict(decoders or {})
         self.encoder_of: dict[str, str] = {}
-        for name, enc in self.encoders.items():
-            for modality in enc.modalities:
+        for name in self.encoders:
+            for modality in self.encoder(name).modalities:
                 if modality in self.encoder_of:
                     raise ValueError(f"two encoders claim modality {modality!r}")
                 self.encoder_of[modality] = name
         self.init_seed = 0
+
+    def encoder(self, name: str) -> OmniEncoder:
+        """The encoder called ``name`` (``nn.ModuleDict`` types its items as ``nn.Module``)."""
+        return cast(OmniEncoder, self.encoders[name])
+
+    def decoder(self, name: str) -> OmniDecoder:
+        """The decoder called ``name`` (``nn.ModuleDict`` types its items as ``nn.Module``)."""
+        return cast(OmniDecoder, self.decoders[name])
 
     # ----------------------------------------------------------------- introspection
     @property
@@ -178,7 +187,7 @@ class OmniModel(ModelProtocol):
                              f"encoders {list(self.encoders)} once")
         passes = []
         for enc_name in order or self.encoders:
-            encoder = self.encoders[enc_name]
+            encoder = self.encoder(enc_name)
             modalities = tuple(
                 m for m, e in self.encoder_of.items() if e == enc_name and m not in absent
             )
@@ -194,11 +203,12 @@ class OmniModel(ModelProtocol):
         encoders run in ``encoder_order``, see :meth:`encoder_passes`)."""
         h = self.llm.tok_embeddings(tokens)
         for enc_name, group in self.encoder_passes(absent, encoder_order):
-            h = self._encode(h, self.encoders[enc_name], list(group), batch)
+            h = self._encode(h, self.encoder(enc_name), list(group), batch)
         targets: dict[str, torch.Tensor] = {}
-        for name, decoder in self.decoders.items():
+        for name in self.decoders:
             if name in absent:
                 continue
+            decoder = self.decoder(name)
             carried = _local_media(batch, name)
             if carried is not None:
                 media, index = carried
@@ -278,7 +288,8 @@ class OmniModel(ModelProtocol):
                 mask = text_mask & (label_groups == g)
                 out.text_by_group[g] = self.llm.output(hidden[mask], labels[mask])
             out.losses[TEXT_LOSS] = torch.stack(list(out.text_by_group.values())).sum()
-        for name, decoder in self.decoders.items():
+        for name in self.decoders:
+            decoder = self.decoder(name)
             index = batch.get(B.target_index_key(name))
             if name in absent:
                 out.losses[name] = hidden.new_zeros((), dtype=torch.float32)
@@ -299,10 +310,10 @@ class OmniModel(ModelProtocol):
             tie()  # before the parameters are named: one tensor, one name, on any layout
         with init_context(self, seed=self.init_seed):
             self.llm.init_weights(buffer_device)
-            for enc in self.encoders.values():
-                enc.init_weights(buffer_device)
-            for dec in self.decoders.values():
-                dec.init_weights(buffer_device)
+            for enc_name in self.encoders:
+                self.encoder(enc_name).init_weights(buffer_device)
+            for dec_name in self.decoders:
+                self.decoder(dec_name).init_weights(buffer_device)
             init_adapters(self)  # LoRA adapters, if any
 
     def freeze(self, prefixes: list[str]) -> list[str]:

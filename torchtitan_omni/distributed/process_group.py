@@ -15,7 +15,9 @@ def init_process_group() -> None:
     """Join torchrun's process group, or start a one-process group."""
     if dist.is_initialized():
         return
-    launched = "WORLD_SIZE" in os.environ
+    # torchrun's rendezvous needs MASTER_ADDR; WORLD_SIZE=1 alone may be left by an earlier
+    # one-process group of this process (set below), inherited by a child process
+    launched = "MASTER_ADDR" in os.environ or os.environ.get("WORLD_SIZE", "1") != "1"
     if not launched:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if not is_cpu():

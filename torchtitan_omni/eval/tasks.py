@@ -172,7 +172,7 @@ class TaskEvaluator:
         """The image decoder's teacher-forced logits at every code position of a generation
         sample, and the reference image's codes there (``[n, codebook]``, ``[n]``)."""
         model = self.gen.model
-        decoder = model.decoders[B.GEN_IMAGE]
+        decoder = model.decoder(B.GEN_IMAGE)
         logits, codes = [], []
         for tokens, meta, _, media, _ in self._batches(sample):
             h, targets = model.embed(tokens, media)

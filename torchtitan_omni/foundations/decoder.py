@@ -76,6 +76,8 @@ class DecoderLM(Foundation):
     """Token embedding, ``args.n_layers`` blocks, final RMSNorm and the text head (tied to the
     embedding when ``args.tie_word_embeddings``)."""
 
+    output: LinearHead
+
     def __init__(self, args, make_block: Callable[[int, RotaryEmbedding], nn.Module],
                  rope_scaling=None) -> None:
         super().__init__()

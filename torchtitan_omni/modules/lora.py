@@ -24,6 +24,8 @@ The delta runs as a parallel grouped path over the same expert groups
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -63,8 +65,9 @@ class LoraLinear(nn.Module):
         return {"weight": ("lora_a", "lora_b")}
 
 
-class LoraGroupedExperts(nn.Module):
-    """Mixin for ``GroupedExperts``: each projection adds its experts' grouped adapter path."""
+class LoraGroupedExperts(GroupedExperts):
+    """Mixin for ``GroupedExperts`` (and its subclasses): each projection adds its experts'
+    grouped adapter path."""
 
     lora_scale: float
     lora_dropout: float
@@ -131,7 +134,7 @@ def add_lora(module: nn.Module, rank: int, alpha: float, dropout: float = 0.0) -
             params[f"{w}_lora_b"] = _new_param(base, experts, out_dim, rank)
         extend_class(module, LoraGroupedExperts, **state)
     else:
-        weight = module.weight  # [out, in]
+        weight = cast(nn.Linear, module).weight  # [out, in]
         params = {"lora_a": _new_param(weight, rank, weight.shape[1]),
                   "lora_b": _new_param(weight, weight.shape[0], rank)}
         extend_class(module, LoraLinear, **state)
@@ -140,9 +143,10 @@ def add_lora(module: nn.Module, rank: int, alpha: float, dropout: float = 0.0) -
     return list(params)
 
 
-def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def lora_modules(model: nn.Module) -> list[tuple[str, LoraLinear | LoraGroupedExperts]]:
     """Every adapted module of ``model`` with its name, in model order."""
-    return [(n, m) for n, m in model.named_modules() if is_lora(m)]
+    return [(n, cast(LoraLinear | LoraGroupedExperts, m)) for n, m in model.named_modules()
+            if is_lora(m)]
 
 
 def _join(prefix: str, name: str) -> str:

@@ -53,12 +53,16 @@ class Foundation(nn.Module, ABC):
     """The LLM: token embedding, decoder layers, final norm and the text head.
 
     Required attributes: ``tok_embeddings`` (``nn.Embedding``), ``layers``
-    (``nn.ModuleDict`` of decoder blocks keyed "0", "1", ...), ``norm`` and ``output``
-    (the text head, ``nn.Linear``), and ``dim`` (hidden width). The omni model calls
-    ``tok_embeddings`` and ``output`` directly, so a plan makes each an FSDP unit.
+    (``nn.ModuleDict`` of decoder blocks keyed "0", "1", ...), ``norm`` and ``output`` (the
+    text head, an ``nn.Linear`` that also gives its loss), and ``dim`` (hidden width). The omni
+    model calls ``tok_embeddings`` and ``output`` directly, so a plan makes each an FSDP unit.
     """
 
     dim: int
+    tok_embeddings: nn.Embedding
+    #: the text head (``modules.linear_cross_entropy.LinearHead``): ``output(hidden)`` gives
+    #: logits, ``output(hidden, labels)`` the positions' summed loss
+    output: nn.Module
 
     @abstractmethod
     def forward(self, h: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
