@@ -26,6 +26,7 @@ from torchtitan_omni.distributed.checks import expert_problem, ulysses_problem
 from torchtitan_omni.flops import nparams_and_flops_per_token
 from torchtitan_omni.hf_flavor import apply_hf_flavor, apply_parts_flavor, log_once
 from torchtitan_omni.protocols.model import HF_FLAVOR, apply_llm_layers
+from torchtitan_omni.protocols.modules import OmniDecoder, OmniEncoder
 
 __all__ = ["HF_FLAVOR", "OmniModelArgs", "fit_vocabulary"]
 
@@ -56,12 +57,12 @@ class OmniModelArgs(BaseModelArgs):
         """The foundation's argument dataclass (``vocab_size``, ``max_seq_len``, ``n_heads``,
         ``n_kv_heads``; ``num_experts`` for MoE foundations)."""
 
-    def build_encoders(self) -> dict[str, nn.Module]:
-        """The encoders by name (``OmniEncoder``), at the LLM's width."""
+    def build_encoders(self) -> dict[str, OmniEncoder]:
+        """The encoders by name, at the LLM's width."""
         return {}
 
-    def build_decoders(self) -> dict[str, nn.Module]:
-        """The decoders by modality (``OmniDecoder``), at the LLM's width."""
+    def build_decoders(self) -> dict[str, OmniDecoder]:
+        """The decoders by modality, at the LLM's width."""
         return {}
 
     def processing(self) -> dict[str, object]:
@@ -69,15 +70,13 @@ class OmniModelArgs(BaseModelArgs):
         the encoders and decoders built on the meta device (no memory), so the data pipeline
         can process media before the model exists."""
         with torch.device("meta"):
-            parts = {**self.build_encoders(), **self.build_decoders()}
+            encoders, decoders = self.build_encoders(), self.build_decoders()
         out: dict[str, object] = {}
-        for part in parts.values():
-            modalities = getattr(part, "modalities", None)
-            if modalities is not None:
-                for modality in modalities:
-                    out[modality] = part.processing(modality)
-            else:
-                out[part.modality] = part.processing()
+        for encoder in encoders.values():
+            for modality in encoder.modalities:
+                out[modality] = encoder.processing(modality)
+        for decoder in decoders.values():
+            out[decoder.modality] = decoder.processing()
         return out
 
     def validate_parallelism(self, ulysses_degree: int, expert_parallel_degree: int) -> str | None:
