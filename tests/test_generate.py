@@ -28,13 +28,21 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def generator(trained):
+    """The generator in this (pytest's) process; its process group and the environment it
+    sets for it are undone afterwards, so later tests in the process see neither."""
+    import torch.distributed as dist
+
     from torchtitan_omni.config.manager import parse_config
     from torchtitan_omni.distributed.process_group import init_process_group
     from torchtitan_omni.generate import Generator
 
+    environment = dict(os.environ)
     init_process_group()
     cfg = parse_config(str(REPO / CONFIG), ["--job.dump_folder", str(trained)])
-    return Generator.from_config(cfg)
+    yield Generator.from_config(cfg)
+    dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 def _full_forward_last(gen, h):

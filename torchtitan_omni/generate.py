@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from collections.abc import Sequence
 
 import torchtitan_omni  # noqa: F401  (selects the device before TorchTitan loads)
 import numpy as np
@@ -153,7 +154,7 @@ class Generator:
     def text(
         self,
         prompt: str,
-        media: list[str] = (),
+        media: Sequence[str] = (),
         max_new_tokens: int = 64,
         temperature: float = 1.0,
         top_k: int = 0,

@@ -92,7 +92,8 @@ def _unmapped(part: str, names: dict[str, torch.Tensor], adapter: HFAdapter) -> 
     sources = adapter.sources()
     init_only = init_only_patterns(adapter)
     tied = tied_aliases(names, sources)  # a tied head is written as the embedding
-    extras, lost = [], []
+    extras: list[str] = []
+    lost: list[str] = []
     for n in names:
         if n not in sources and n not in tied:
             (extras if any(fnmatch.fnmatchcase(n, p) for p in init_only) else lost).append(n)

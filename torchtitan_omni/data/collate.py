@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from torchtitan_omni.data.document import Document
-from torchtitan_omni.data.processors import Processor
+from torchtitan_omni.data.processors import Item, Processor
 from torchtitan_omni.protocols import batch as B
 from torchtitan_omni.protocols.modality import get_modality
 
@@ -31,7 +31,7 @@ def collate(
     embed = {m: np.full((n, row_len), -1, dtype=np.int64) for m in modalities}
     target = {m: np.full((n, row_len), -1, dtype=np.int64)
               for m in modalities if get_modality(m).is_target}
-    items = {m: [] for m in modalities}
+    items: dict[str, list[Item]] = {m: [] for m in modalities}
     rows_used = dict.fromkeys(modalities, 0)
     bounds = [0]
     real = 0

@@ -37,6 +37,7 @@ materializes only the local shards (``to_empty``) and runs the layout-invariant 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -183,7 +184,7 @@ def experts_outside_fsdp(dims: OmniParallelDims, job_config: JobConfig) -> bool:
 
 
 def apply_fsdp(model: nn.Module, plan: OmniParallelPlan, dims: OmniParallelDims,
-               job_config: JobConfig, expert_names: list[str] = ()) -> dict[str, str]:
+               job_config: JobConfig, expert_names: Sequence[str] = ()) -> dict[str, str]:
     """FSDP2 per part (see the module docstring); returns each part's mesh choice."""
     default_mesh = dims.part_mesh("fsdp")
     if default_mesh is None:

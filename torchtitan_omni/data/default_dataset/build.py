@@ -128,7 +128,7 @@ def _digit_rows(w: _Writer, seed: int) -> None:
 
 def _photo_rows(w: _Writer, seed: int) -> None:
     rng = random.Random(f"{seed}-photos")
-    index = defaultdict(int)
+    index: defaultdict[str, int] = defaultdict(int)
     for name, img in vision.photos().items():
         for split in SPLITS:
             for _ in range(PHOTO_CROPS[split]):
@@ -147,9 +147,8 @@ def _face_rows(w: _Writer) -> None:
     imgs, labels = vision.faces()
     for i, (img, label) in enumerate(zip(imgs, labels)):
         split = "val" if i % 10 == 8 else "test" if i % 10 == 9 else "train"
-        rgb = np.repeat(
-            np.asarray(Image.fromarray(img).resize((32, 32), Image.BICUBIC))[..., None], 3, axis=2
-        )
+        small = Image.fromarray(img).resize((32, 32), Image.Resampling.BICUBIC)
+        rgb = np.repeat(np.asarray(small)[..., None], 3, axis=2)
         path = w.image("faces", split, i, rgb)
         answer = "Yes, there is a face." if label else "No, there is no face."
         w.add(

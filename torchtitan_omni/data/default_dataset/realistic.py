@@ -74,9 +74,9 @@ def _crop_box(rng: random.Random, h: int, w: int, aspect: float, cover: float):
 def photo_image(rng: random.Random, photo: np.ndarray, h: int, w: int) -> np.ndarray:
     """A random crop of aspect ``w/h`` of a photo, resized to ``h x w``, maybe mirrored."""
     box = _crop_box(rng, *photo.shape[:2], w / h, rng.uniform(0.7, 1.0))
-    img = Image.fromarray(photo).resize((w, h), Image.BICUBIC, box=box)
+    img = Image.fromarray(photo).resize((w, h), Image.Resampling.BICUBIC, box=box)
     if rng.random() < 0.5:
-        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return np.asarray(img)
 
 
@@ -105,7 +105,7 @@ def pan_zoom(rng: random.Random, photo: np.ndarray, h: int, w: int, n: int) -> n
     for t in range(n):
         f = t / max(1, n - 1)
         box = tuple(x + f * (y - x) for x, y in zip(a, b))
-        out[t] = np.asarray(img.resize((w, h), Image.BILINEAR, box=box))
+        out[t] = np.asarray(img.resize((w, h), Image.Resampling.BILINEAR, box=box))
     return out
 
 

@@ -69,7 +69,7 @@ def digit_bank(split: str) -> DigitBank:
 def render_digit(img8: np.ndarray, size: int, color) -> tuple[np.ndarray, np.ndarray]:
     """A digit upscaled to ``size`` px: (RGB float image, alpha mask in [0, 1])."""
     gray = Image.fromarray((img8 / 16.0 * 255).astype(np.uint8)).resize(
-        (size, size), Image.BILINEAR
+        (size, size), Image.Resampling.BILINEAR
     )
     alpha = np.asarray(gray, dtype=np.float32) / 255.0
     return alpha[..., None] * np.asarray(color, np.float32), alpha
@@ -168,10 +168,10 @@ def random_crop(rng: random.Random, img: np.ndarray, size: int) -> np.ndarray:
     side = int(min(h, w) * rng.uniform(0.6, 1.0))
     top, left = rng.randint(0, h - side), rng.randint(0, w - side)
     crop = Image.fromarray(img[top : top + side, left : left + side]).resize(
-        (size, size), Image.BICUBIC
+        (size, size), Image.Resampling.BICUBIC
     )
     if rng.random() < 0.5:
-        crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
+        crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return np.asarray(crop)
 
 
