@@ -29,6 +29,7 @@ from torchtitan_omni.checkpoint.hf_loader import load_tensor
 from torchtitan_omni.checkpoint.parts import resolve_part
 from torchtitan_omni.checkpoint.safetensors_folder import EXTRA_FILE, SafetensorsFolder
 from torchtitan_omni.checkpoint.weights import is_hf_folder, parse_sources
+from torchtitan_omni.errors import CheckpointFormatError
 from torchtitan_omni.protocols.hf import HFAdapter, HFSource
 
 Meta = tuple[tuple[int, ...], torch.dtype]
@@ -109,13 +110,19 @@ class HFPartReader:
             return None
         folder, source = found
         info = folder.info(source.keys[0])
+        if info.torch_dtype is None:
+            raise CheckpointFormatError(
+                f"{source.keys[0]} in {info.file} has unsupported dtype {info.dtype}")
         return _our_shape(info.shape, source), info.torch_dtype
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
-            shape, dtype = self.meta(name)
-            folder, source = self._lookup(name)
+            found, meta = self._lookup(name), self.meta(name)
+            if found is None or meta is None:
+                raise KeyError(f"{name} is not in {self.where}")
+            folder, source = found
+            shape, dtype = meta
             out[name] = torch.empty(shape, dtype=dtype)
             load_tensor(folder, name, source, out[name])
         return out
@@ -138,7 +145,10 @@ class ChainReader:
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         groups: dict[int, list[str]] = {}
         for name in names:
-            groups.setdefault(id(self._first(name)), []).append(name)
+            reader = self._first(name)
+            if reader is None:  # read by none of the readers: not silently left out
+                raise KeyError(f"{name} is not in {self.where}")
+            groups.setdefault(id(reader), []).append(name)
         out = {}
         for reader in self.readers:
             out.update(reader.read(groups.get(id(reader), [])))
