@@ -104,25 +104,26 @@ class HFPartReader:
             return self.extras, HFSource((rel,))
         return None
 
-    def meta(self, name: str) -> Meta | None:
-        found = self._lookup(name)
-        if found is None:
-            return None
-        folder, source = found
+    @staticmethod
+    def _meta(folder: SafetensorsFolder, source: HFSource) -> Meta:
         info = folder.info(source.keys[0])
         if info.torch_dtype is None:
             raise CheckpointFormatError(
                 f"{source.keys[0]} in {info.file} has unsupported dtype {info.dtype}")
         return _our_shape(info.shape, source), info.torch_dtype
 
+    def meta(self, name: str) -> Meta | None:
+        found = self._lookup(name)
+        return self._meta(*found) if found is not None else None
+
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
-            found, meta = self._lookup(name), self.meta(name)
-            if found is None or meta is None:
+            found = self._lookup(name)
+            if found is None:
                 raise KeyError(f"{name} is not in {self.where}")
             folder, source = found
-            shape, dtype = meta
+            shape, dtype = self._meta(folder, source)
             out[name] = torch.empty(shape, dtype=dtype)
             load_tensor(folder, name, source, out[name])
         return out
